@@ -1,0 +1,160 @@
+"""Render a kernel template with a variant's knobs into Triton source, cache it on disk, import it.
+
+- Templates are Jinja2 (``templates/*.py.j2``) rendered with ``StrictUndefined``: a knob or flag the
+  template uses but the caller did not pass is an error, never an empty string.
+- The rendered module is written to ``<cache>/kernels/<name>_<hash>.py`` (hash of the template
+  sources + knobs + flags) and imported from there, so Triton can read the kernel's source and its
+  own compile cache keys stay stable across processes.
+- :func:`render_source` returns the text of any variant, for people to read (``cce-tune render``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jinja2
+
+from .paths import cache_dir, resource_dir
+from .variant import KERNELS, _Variant
+
+__all__ = ["Flags", "render_source", "load_kernel", "template_hash", "interpreting"]
+
+TEMPLATE_FILES = {name: f"{name}.py.j2" for name in KERNELS}
+KERNEL_FUNCTIONS = {
+    "indexed_dot": "cce_indexed_dot_kernel",
+    "lse_forward": "cce_lse_forward_kernel",
+    "backward": "cce_backward_kernel",
+}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Flags:
+    """Structural features of a call; each one is an ``{% if %}`` in the templates."""
+
+    has_bias: bool = False
+    has_softcap: bool = False
+    even_d: bool = False  # D is a multiple of BLOCK_D: no masks along D
+    ieee_dot: bool = False  # fp32 inputs: IEEE fp32 products instead of tf32
+    vocab_stats: bool = False  # forward also accumulates per-vocab logit sums (for sorting)
+    interpret: bool = False  # rendering for the Triton interpreter
+
+    def template_flags(self) -> dict:
+        return {
+            "HAS_BIAS": self.has_bias,
+            "HAS_SOFTCAP": self.has_softcap,
+            "EVEN_D": self.even_d,
+            "IEEE_DOT": self.ieee_dot,
+            "VOCAB_STATS": self.vocab_stats,
+            "INTERPRET": self.interpret,
+        }
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(resource_dir("templates"))),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+@lru_cache(maxsize=None)
+def template_hash(kernel: str) -> str:
+    """Hash of a kernel's template and the shared macros: changes whenever the generated code may."""
+    h = hashlib.sha256()
+    tdir = resource_dir("templates")
+    for name in sorted({TEMPLATE_FILES[kernel], "_common.j2"}):
+        h.update(name.encode())
+        h.update((tdir / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _context(variant: _Variant, flags: Flags) -> dict:
+    knobs = variant.template_knobs()
+    # Knobs that only the launcher uses (splits, filter value, ...) stay in the context: the summary
+    # line shows them and templates may branch on them.
+    ctx: dict[str, Any] = {**knobs, **flags.template_flags()}
+    ctx["FILTER"] = knobs.get("FILTER_EPS") is not None
+    ctx["TEMPLATE"] = TEMPLATE_FILES[variant.kernel]
+    ctx["KNOB_SUMMARY"] = ", ".join(f"{k}={v}" for k, v in sorted(knobs.items()))
+    ctx["FLAG_SUMMARY"] = ", ".join(f"{k}={v}" for k, v in sorted(flags.template_flags().items()))
+    return ctx
+
+
+def render_source(variant: _Variant, flags: Flags = Flags()) -> str:
+    """The Triton source of ``variant`` with ``flags``: what :func:`load_kernel` compiles."""
+    if variant.kernel not in TEMPLATE_FILES:
+        raise ValueError(f"variant: unknown kernel {variant.kernel!r}")
+    template = _env().get_template(TEMPLATE_FILES[variant.kernel])
+    return template.render(**_context(variant, flags))
+
+
+def source_key(variant: _Variant, flags: Flags) -> str:
+    blob = json.dumps(
+        {"t": template_hash(variant.kernel), "v": variant.to_dict(), "f": flags.template_flags()},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+_lock = threading.Lock()
+_modules: dict[tuple, ModuleType] = {}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp_", suffix=".py")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_kernel(variant: _Variant, flags: Flags = Flags()):
+    """Render (once), cache on disk (once) and import the kernel; returns the ``@triton.jit`` function."""
+    key = (variant, flags)
+    mod = _modules.get(key)
+    if mod is None:
+        with _lock:
+            mod = _modules.get(key)
+            if mod is None:
+                mod = _import(variant, flags)
+                _modules[key] = mod
+    return getattr(mod, KERNEL_FUNCTIONS[variant.kernel])
+
+
+def _import(variant: _Variant, flags: Flags) -> ModuleType:
+    digest = source_key(variant, flags)
+    name = f"cce_{variant.kernel}_{digest}"
+    path = cache_dir() / "kernels" / f"{name}.py"
+    source = render_source(variant, flags)
+    if not path.exists() or path.read_text() != source:
+        _write_atomic(path, source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

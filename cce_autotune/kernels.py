@@ -1,0 +1,131 @@
+"""Launch wrappers: tensors in, tensors out, one function per kernel.
+
+All three kernels address the rows of E through ``row_off`` (int64 element offsets of each row that
+takes part), so ignored rows, ``shift`` and non-contiguous batch layouts cost no copy of E.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .codegen import Flags, interpreting, load_kernel
+from .variant import BackwardVariant, IndexedDotVariant, LSEForwardVariant
+
+__all__ = ["indexed_dot", "lse_forward", "backward"]
+
+
+def _flags(e: torch.Tensor, bias, softcap, block_d: int, **extra) -> Flags:
+    D = e.shape[-1]
+    return Flags(
+        has_bias=bias is not None,
+        has_softcap=softcap is not None,
+        even_d=D % block_d == 0,
+        ieee_dot=e.dtype == torch.float32,
+        interpret=interpreting(),
+        **extra,
+    )
+
+
+def _softcap_arg(softcap) -> float:
+    return float(softcap) if softcap is not None else 1.0
+
+
+def indexed_dot(e, c, bias, row_off, targets, softcap, variant: IndexedDotVariant) -> torch.Tensor:
+    """z[i] = softcap(e_row(i) . c[targets[i]] + bias[targets[i]]) in fp32, shape (n_rows,)."""
+    n_rows, D = row_off.shape[0], e.shape[-1]
+    out = torch.empty(n_rows, dtype=torch.float32, device=e.device)
+    if n_rows == 0:
+        return out
+    kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d))
+    grid = (triton.cdiv(n_rows, variant.block_b),)
+    kernel[grid](
+        e, c, bias if bias is not None else c, row_off, targets, out,
+        n_rows, D, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
+        BLOCK_B=variant.block_b, BLOCK_D=variant.block_d,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    return out
+
+
+def split_plan(n_vocab_tiles: int, num_splits: int) -> tuple[int, int]:
+    """(tiles per split, splits actually launched): no split is left empty."""
+    tiles_per_split = triton.cdiv(n_vocab_tiles, max(1, min(num_splits, n_vocab_tiles)))
+    return tiles_per_split, triton.cdiv(n_vocab_tiles, tiles_per_split)
+
+
+def lse_forward(e, c, bias, row_off, softcap, variant: LSEForwardVariant, vocab_stats: bool = False):
+    """Per-row log-sum-exp of the (softcapped) logits, fp32 (n_rows,).
+
+    With ``vocab_stats`` also returns the per-vocabulary sum of logits over the rows (fp32 (V,)),
+    else None.
+    """
+    n_rows, D = row_off.shape[0], e.shape[-1]
+    V = c.shape[0]
+    dev = e.device
+    vocab_sum = torch.zeros(V, dtype=torch.float32, device=dev) if vocab_stats else None
+    if n_rows == 0:
+        return torch.empty(0, dtype=torch.float32, device=dev), vocab_sum
+    tiles_per_split, num_splits = split_plan(triton.cdiv(V, variant.block_v), variant.num_splits)
+    if variant.merge == "buffer":
+        out = torch.empty((num_splits, n_rows), dtype=torch.float32, device=dev)
+        locks = out  # unused
+    else:
+        out = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
+        locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
+    kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, vocab_stats=vocab_stats))
+    grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
+    kernel[grid](
+        e, c, bias if bias is not None else c, row_off, out, locks,
+        vocab_sum if vocab_sum is not None else out,
+        n_rows, V, D, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
+        tiles_per_split, num_splits,
+        BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+        GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    lse = torch.logsumexp(out, dim=0) if variant.merge == "buffer" else out
+    return lse, vocab_sum
+
+
+def backward(
+    e, c, bias, row_off, target_pos, lse, coef_s, coef_t, perm, de_row_off, softcap,
+    filter_eps, variant: BackwardVariant,
+):
+    """dE (shape and dtype of ``e``), dC (of ``c``), dbias (of ``bias``, or None).
+
+    ``target_pos[i]`` is the column position of row i's target in the walked vocabulary order (its
+    vocab index, or ``inv_perm[target]`` when ``perm`` is given). The gradient of row i's logits is
+    ``softmax * coef_s[i] - onehot * coef_t[i]`` (times the softcap derivative). ``de_row_off`` gives
+    each row's element offset in a contiguous tensor shaped like ``e``. ``filter_eps=None``: exact.
+    """
+    n_rows, D = row_off.shape[0], e.shape[-1]
+    V = c.shape[0]
+    dev = e.device
+    native = variant.accum == "native"
+    acc_dtype = e.dtype if native else torch.float32
+    de = torch.zeros(e.shape, dtype=acc_dtype, device=dev)
+    dc = torch.zeros(c.shape, dtype=c.dtype if native else torch.float32, device=dev)
+    dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+    if n_rows > 0:
+        variant = variant.replace(filter_eps=filter_eps, sort_vocab=perm is not None)
+        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d))
+        locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
+        locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
+        grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(V, variant.block_v),)
+        kernel[grid](
+            e, c, bias if bias is not None else c, row_off, target_pos, lse, coef_s, coef_t,
+            perm if perm is not None else target_pos,
+            de, de_row_off, dc, dbias if dbias is not None else lse, locks_e, locks_c,
+            n_rows, V, D, e.stride(-1), c.stride(0), c.stride(1), dc.stride(0), _softcap_arg(softcap),
+            float(filter_eps) if filter_eps is not None else 0.0,
+            BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+            GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
+            num_warps=variant.num_warps, num_stages=variant.num_stages,
+        )
+    if not native:
+        de = de.to(e.dtype)
+        dc = dc.to(c.dtype)
+    if dbias is not None:
+        dbias = dbias.to(bias.dtype)
+    return de, dc, dbias

@@ -1,0 +1,311 @@
+"""The public loss: argument checks, the autograd.Function, ``linear_cross_entropy`` and a Module."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from . import kernels, reference
+from .codegen import interpreting
+from .variant import KernelVariants, VariantError
+
+__all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_REDUCTIONS = ("mean", "sum", "none")
+_IMPLS = ("auto", "triton", "torch")
+
+
+@dataclass
+class _Problem:
+    """Everything about one call that is not a differentiable tensor."""
+
+    impl: str  # "triton" | "torch"
+    variants: KernelVariants
+    filter_eps: float | None
+    softcap: float | None
+    reduction: str
+    pred_shape: torch.Size  # shape of the predicted targets (targets[..., shift:])
+    valid_idx: torch.Tensor  # flat indices (into pred_shape) of rows that are not ignored
+    rows: torch.Tensor  # row index of each valid row in e.reshape(-1, D)
+    row_off: torch.Tensor  # element offset of each valid row in e's storage (Triton path)
+    targets: torch.Tensor  # target of each valid row (int64)
+    return_lse: bool
+
+    @property
+    def n_valid(self) -> int:
+        return self.rows.shape[0]
+
+
+def _grid_offsets(shape, strides, device) -> torch.Tensor:
+    """Σ_j index_j * strides[j] over the index grid of ``shape``, flattened (int64)."""
+    off = torch.zeros((), dtype=torch.int64, device=device)
+    for j, (n, s) in enumerate(zip(shape, strides)):
+        view = [1] * len(shape)
+        view[j] = n
+        off = off + (torch.arange(n, dtype=torch.int64, device=device) * s).view(view)
+    return off.expand(tuple(shape)).reshape(-1)
+
+
+def _contiguous_strides(shape) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
+
+
+def _check_inputs(e, c, targets, bias, ignore_index, softcap, reduction, shift, impl, filter_eps):
+    for name, t in (("e", e), ("c", c), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias: expected a torch.Tensor or None, got {type(bias).__name__}")
+    if e.dim() < 2:
+        raise ValueError(f"e: expected shape (..., D) with at least one batch dimension, got {tuple(e.shape)}")
+    if c.dim() != 2:
+        raise ValueError(f"c: expected shape (V, D), got {tuple(c.shape)}")
+    if e.shape[-1] != c.shape[1]:
+        raise ValueError(f"c: hidden size D={c.shape[1]} does not match e's D={e.shape[-1]}")
+    if c.shape[0] == 0 or c.shape[1] == 0:
+        raise ValueError(f"c: empty classifier of shape {tuple(c.shape)}")
+    if e.dtype not in _DTYPES and not (impl == "torch" and e.dtype == torch.float64):
+        raise TypeError(f"e: dtype {e.dtype} not supported; use one of float32, bfloat16, float16")
+    if c.dtype != e.dtype:
+        raise TypeError(f"c: dtype {c.dtype} differs from e's dtype {e.dtype}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets: expected an integer tensor, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(e.shape[:-1]):
+        raise ValueError(f"targets: shape {tuple(targets.shape)} does not match e's batch shape {tuple(e.shape[:-1])}")
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != c.shape[0]:
+            raise ValueError(f"bias: expected shape ({c.shape[0]},), got {tuple(bias.shape)}")
+        if not bias.dtype.is_floating_point:
+            raise TypeError(f"bias: expected a floating-point tensor, got {bias.dtype}")
+    for name, t in (("c", c), ("targets", targets), ("bias", bias)):
+        if t is not None and t.device != e.device:
+            raise ValueError(f"{name}: on {t.device}, but e is on {e.device}; all tensors must share one device")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: {reduction!r} is not one of {list(_REDUCTIONS)}")
+    if impl not in _IMPLS:
+        raise ValueError(f"impl: {impl!r} is not one of {list(_IMPLS)}")
+    if isinstance(shift, bool) or not isinstance(shift, int):
+        raise TypeError(f"shift: expected an int, got {type(shift).__name__}")
+    T = e.shape[-2]
+    if not 0 <= shift < max(T, 1):
+        raise ValueError(f"shift: {shift} out of range [0, {T}) for a last batch dimension of {T}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0:
+            raise ValueError(f"softcap: expected a positive finite number or None, got {softcap!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if filter_eps not in ("auto", None):
+        if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not 0 < filter_eps < 1:
+            raise ValueError(f"filter_eps: expected 'auto', None (exact) or a float in (0, 1), got {filter_eps!r}")
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if impl == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"impl: 'triton' needs CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run the "
+            "kernels on the CPU through Triton's interpreter, or use impl='torch'"
+        )
+    return impl
+
+
+def _resolve_variants(variants, e, c) -> KernelVariants:
+    if variants is None:
+        from .dispatch import select_variants
+
+        return select_variants(e, c)
+    if isinstance(variants, Mapping):
+        try:
+            variants = KernelVariants.from_dict(variants)
+        except (VariantError, TypeError) as exc:
+            raise ValueError(f"variants: {exc}") from exc
+    if not isinstance(variants, KernelVariants):
+        raise TypeError(f"variants: expected KernelVariants, a dict of kernel variants or None, got {type(variants).__name__}")
+    try:
+        variants.validate(elem_bytes=e.element_size(), smem_limit=None)
+    except VariantError as exc:
+        raise ValueError(f"variants: {exc}") from exc
+    return variants
+
+
+def _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, filter_eps, impl, variants):
+    _check_inputs(e, c, targets, bias, ignore_index, softcap, reduction, shift, impl, filter_eps)
+    impl = _resolve_impl(impl, e.device)
+    kv = _resolve_variants(variants, e, c) if impl == "triton" else KernelVariants()
+    eps = kv.backward.filter_eps if filter_eps == "auto" else filter_eps
+    dev = e.device
+    D, V = e.shape[-1], c.shape[0]
+    batch = tuple(e.shape[:-1])
+    T = batch[-1]
+    pred_shape = torch.Size(batch[:-1] + (T - shift,))
+    pred_targets = targets.narrow(-1, shift, T - shift).reshape(-1)
+    valid = pred_targets != ignore_index
+    valid_idx = valid.nonzero().squeeze(1)
+    tgt = pred_targets[valid_idx].to(torch.int64)
+    if tgt.numel() and bool(((tgt < 0) | (tgt >= V)).any()):
+        bad = tgt[(tgt < 0) | (tgt >= V)][0].item()
+        raise ValueError(f"targets: value {bad} is outside [0, {V}) and is not ignore_index={ignore_index}")
+    # Row of each prediction in e.reshape(-1, D), and its element offset in e's own storage.
+    rows = _grid_offsets(pred_shape, _contiguous_strides(batch), dev)[valid_idx]
+    row_off = _grid_offsets(pred_shape, e.stride()[:-1], dev)[valid_idx] if impl == "triton" else rows
+    return _Problem(
+        impl=impl, variants=kv, filter_eps=eps, softcap=float(softcap) if softcap is not None else None,
+        reduction=reduction, pred_shape=pred_shape, valid_idx=valid_idx, rows=rows, row_off=row_off,
+        targets=tgt, return_lse=return_lse,
+    )
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, e, c, bias, p: _Problem):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        perm = None
+        if p.impl == "triton":
+            kv = p.variants
+            zt = kernels.indexed_dot(e, c, bias, p.row_off, p.targets, p.softcap, kv.indexed_dot)
+            sort = needs_grad and kv.backward.sort_vocab and p.filter_eps is not None and p.n_valid > 0
+            lse, vocab_sum = kernels.lse_forward(e, c, bias, p.row_off, p.softcap, kv.lse_forward, vocab_stats=sort)
+            if sort:
+                perm = torch.argsort(vocab_sum, descending=True).to(torch.int32)
+        else:
+            lse, zt = reference.forward(e, c, bias, p.rows, p.targets, p.softcap)
+        loss_v = (lse - zt).float()
+        lse_v = lse.float()
+        ctx.problem = p
+        ctx.perm = perm
+        ctx.save_for_backward(e, c, bias, lse_v)
+        n = p.n_valid
+        if p.reduction == "none":
+            loss = _scatter(loss_v, p)
+        elif p.reduction == "sum":
+            loss = loss_v.sum()
+        else:
+            loss = loss_v.sum() / n if n else torch.full((), float("nan"), device=e.device)
+        lse_out = _scatter(lse_v, p) if p.return_lse else None
+        return loss, lse_out
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        p: _Problem = ctx.problem
+        e, c, bias, lse_v = ctx.saved_tensors
+        n = p.n_valid
+        if n == 0:
+            return (torch.zeros_like(e), torch.zeros_like(c), torch.zeros_like(bias) if bias is not None else None, None)
+        if grad_loss is None:
+            coef_t = torch.zeros(n, dtype=torch.float32, device=e.device)
+        elif p.reduction == "none":
+            coef_t = grad_loss.reshape(-1).float()[p.valid_idx]
+        else:
+            scale = grad_loss.float() / (n if p.reduction == "mean" else 1)
+            coef_t = scale.expand(n).contiguous()
+        coef_s = coef_t + grad_lse.reshape(-1).float()[p.valid_idx] if grad_lse is not None else coef_t
+        coef_s = coef_s.contiguous()
+        if p.impl == "triton":
+            perm = ctx.perm
+            if perm is not None:
+                inv = torch.empty_like(perm)
+                inv[perm.long()] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
+                target_pos = inv[p.targets]
+            else:
+                target_pos = p.targets
+            de, dc, dbias = kernels.backward(
+                e, c, bias, p.row_off, target_pos, lse_v, coef_s, coef_t, perm, p.rows * e.shape[-1],
+                p.softcap, p.filter_eps, p.variants.backward,
+            )
+        else:
+            de, dc, dbias = reference.backward(e, c, bias, p.rows, p.targets, lse_v, coef_s, coef_t, p.softcap)
+        return de, dc, dbias, None
+
+
+def _scatter(values_v: torch.Tensor, p: _Problem) -> torch.Tensor:
+    out = torch.zeros(p.pred_shape.numel(), dtype=values_v.dtype, device=values_v.device)
+    out[p.valid_idx] = values_v
+    return out.view(p.pred_shape)
+
+
+def linear_cross_entropy(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    shift: int = 0,
+    return_lse: bool = False,
+    filter_eps: float | str | None = "auto",
+    impl: str = "auto",
+    variants: KernelVariants | Mapping[str, Any] | None = None,
+):
+    """Cross-entropy of ``softcap(e @ c.T + bias)`` against ``targets``, without the logit matrix.
+
+    Same value as ``F.cross_entropy(softcap(e @ c.T + bias).float().flatten(0, -2), targets.flatten(),
+    ignore_index=..., reduction=...)`` (with ``reduction="none"`` shaped like the predicted targets).
+
+    Args:
+        e: (..., D) embeddings; float32, bfloat16 or float16. Any strides.
+        c: (V, D) classifier, same dtype as ``e``.
+        targets: integer tensor shaped like ``e.shape[:-1]``; values in [0, V) or ``ignore_index``.
+        bias: optional (V,) bias.
+        ignore_index: target value whose positions contribute nothing.
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)``.
+        reduction: "mean" (over non-ignored positions), "sum" or "none".
+        shift: position ``t`` of the last batch dimension predicts target ``t + shift`` (next-token
+            loss with ``shift=1``) without copying ``e``; "none" returns ``targets[..., shift:]``'s shape.
+        return_lse: also return the per-position log-sum-exp (fp32, 0 at ignored positions),
+            differentiable (for a z-loss).
+        filter_eps: "auto" (the kernel variant's), None (exact gradients) or a float: backward tiles
+            whose softmax values are all below it are skipped. The torch path is always exact.
+        impl: "auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch". With
+            ``TRITON_INTERPRET=1``, "triton" runs the kernels on CPU tensors.
+        variants: explicit kernel variants (:class:`KernelVariants` or its dict form); by default the
+            dispatcher picks them from the tuned-config database.
+
+    Returns:
+        The loss (fp32), or ``(loss, lse)`` when ``return_lse``.
+    """
+    p = _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, filter_eps, impl, variants)
+    loss, lse = _LinearCrossEntropy.apply(e, c, bias, p)
+    return (loss, lse) if return_lse else loss
+
+
+class LinearCrossEntropy(torch.nn.Module):
+    """Module wrapper holding the options of :func:`linear_cross_entropy`.
+
+    ``forward(e, c, targets, bias=None)``: the classifier is passed in, so that it can stay tied to
+    an embedding or live in another module.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        softcap: float | None = None,
+        reduction: str = "mean",
+        shift: int = 0,
+        return_lse: bool = False,
+        filter_eps: float | str | None = "auto",
+        impl: str = "auto",
+        variants: KernelVariants | Mapping[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.options = dict(
+            ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
+            return_lse=return_lse, filter_eps=filter_eps, impl=impl, variants=variants,
+        )
+
+    def forward(self, e, c, targets, bias=None):
+        return linear_cross_entropy(e, c, targets, bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items() if k != "variants")

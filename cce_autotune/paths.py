@@ -1,0 +1,38 @@
+"""Where the package finds its data (templates, search spaces, shipped configs) and its caches."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["resource_dir", "cache_dir"]
+
+_PKG = Path(__file__).resolve().parent
+
+
+def resource_dir(name: str) -> Path:
+    """``templates``, ``search_spaces`` or ``tuned_configs``.
+
+    In a source checkout (and an editable install) these are the top-level folders beside the
+    package; a built wheel carries them inside the package under ``_data/``.
+    """
+    for candidate in (_PKG.parent / name, _PKG / "_data" / name):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"cce_autotune: data folder {name!r} not found beside or inside the package")
+
+
+def cache_dir() -> Path:
+    """User cache: rendered kernels, tuning studies, tuned configs written by ``cce-tune``.
+
+    ``CCE_AUTOTUNE_CACHE_DIR`` overrides; otherwise ``$XDG_CACHE_HOME/cce_autotune`` or
+    ``~/.cache/cce_autotune``.
+    """
+    env = os.environ.get("CCE_AUTOTUNE_CACHE_DIR")
+    if env:
+        path = Path(env)
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = Path(base) / "cce_autotune"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

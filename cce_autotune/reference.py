@@ -1,0 +1,86 @@
+"""Pure-PyTorch Cut Cross-Entropy: the CPU path, and the oracle the kernels are checked against.
+
+It processes rows in chunks, so at most ``chunk x V`` logits exist at a time (never ``B x V``).
+Inputs and outputs mirror :mod:`cce_autotune.kernels`: rows of E are picked by ``rows`` (row
+indices into ``e.reshape(-1, D)``). Computation is in float32, or float64 for float64 inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["forward", "backward", "chunk_rows"]
+
+_CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in fp32)
+
+
+def chunk_rows(V: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, V))
+
+
+def _compute_dtype(e: torch.Tensor) -> torch.dtype:
+    return torch.float64 if e.dtype == torch.float64 else torch.float32
+
+
+def _logits(e_rows, c, bias, softcap):
+    z = e_rows @ c.T
+    if bias is not None:
+        z = z + bias
+    t = None
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = softcap * t
+    return z, t
+
+
+def forward(e, c, bias, rows, targets, softcap=None):
+    """(lse, target logit) of each selected row, in the compute dtype."""
+    dt = _compute_dtype(e)
+    e2 = e.reshape(-1, e.shape[-1])
+    cc = c.to(dt)
+    bb = bias.to(dt) if bias is not None else None
+    n = rows.shape[0]
+    lse = torch.empty(n, dtype=dt, device=e.device)
+    zt = torch.empty(n, dtype=dt, device=e.device)
+    step = chunk_rows(c.shape[0])
+    for lo in range(0, n, step):
+        r = rows[lo : lo + step]
+        z, _ = _logits(e2[r].to(dt), cc, bb, softcap)
+        lse[lo : lo + step] = torch.logsumexp(z, dim=1)
+        zt[lo : lo + step] = z.gather(1, targets[lo : lo + step, None]).squeeze(1)
+    return lse, zt
+
+
+def backward(e, c, bias, rows, targets, lse, coef_s, coef_t, softcap=None):
+    """Gradients of sum_i coef_s[i] * lse_i - coef_t[i] * z_{i, target_i} w.r.t. e, c, bias.
+
+    Returns (dE shaped like ``e``, dC like ``c``, dbias like ``bias`` or None), in the inputs'
+    dtypes.
+    """
+    dt = _compute_dtype(e)
+    D = e.shape[-1]
+    e2 = e.reshape(-1, D)
+    cc = c.to(dt)
+    bb = bias.to(dt) if bias is not None else None
+    de = torch.zeros(e2.shape, dtype=dt, device=e.device)
+    dc = torch.zeros(c.shape, dtype=dt, device=e.device)
+    dbias = torch.zeros(c.shape[0], dtype=dt, device=e.device) if bias is not None else None
+    step = chunk_rows(c.shape[0])
+    for lo in range(0, rows.shape[0], step):
+        sl = slice(lo, lo + step)
+        r = rows[sl]
+        er = e2[r].to(dt)
+        z, t = _logits(er, cc, bb, softcap)
+        g = torch.exp(z - lse[sl, None].to(dt)) * coef_s[sl, None].to(dt)
+        g.scatter_add_(1, targets[sl, None], -coef_t[sl, None].to(dt))
+        if t is not None:
+            g = g * (1 - t * t)
+        de.index_add_(0, r, g @ cc)
+        dc += g.T @ er
+        if dbias is not None:
+            dbias += g.sum(0)
+    return (
+        de.reshape(e.shape).to(e.dtype),
+        dc.to(c.dtype),
+        dbias.to(bias.dtype) if dbias is not None else None,
+    )
