@@ -140,7 +140,8 @@ def _resolve_variants(variants, e, c) -> KernelVariants:
 def _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, filter_eps, impl, variants):
     _check_inputs(e, c, targets, bias, ignore_index, softcap, reduction, shift, impl, filter_eps)
     impl = _resolve_impl(impl, e.device)
-    kv = _resolve_variants(variants, e, c) if impl == "triton" else KernelVariants()
+    # Explicit variants are always checked; the dispatcher is consulted only for the Triton path.
+    kv = _resolve_variants(variants, e, c) if impl == "triton" or variants is not None else KernelVariants()
     eps = kv.backward.filter_eps if filter_eps == "auto" else filter_eps
     dev = e.device
     D, V = e.shape[-1], c.shape[0]
@@ -178,7 +179,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 perm = torch.argsort(vocab_sum, descending=True).to(torch.int32)
         else:
             lse, zt = reference.forward(e, c, bias, p.rows, p.targets, p.softcap)
-        loss_v = (lse - zt).float()
+        # torch's cross_entropy gives NaN for a row whose logits hold +inf (or are all -inf).
+        loss_v = torch.where(torch.isfinite(lse), lse - zt, float("nan")).float()
         lse_v = lse.float()
         ctx.problem = p
         ctx.perm = perm

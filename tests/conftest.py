@@ -1,0 +1,27 @@
+"""Test set-up: kernels run on the CPU through Triton's interpreter unless a GPU is present."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Keep rendered kernels and studies out of the user's home cache.
+os.environ.setdefault("CCE_AUTOTUNE_CACHE_DIR", tempfile.mkdtemp(prefix="cce_autotune_test_cache_"))
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)

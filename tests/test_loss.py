@@ -1,0 +1,166 @@
+"""linear_cross_entropy against a float64 PyTorch oracle: values, LSE and gradients.
+
+Kernels run through Triton's interpreter on the CPU (TRITON_INTERPRET=1, set by conftest.py) or on
+the GPU when there is one. Tolerance: no worse than plain PyTorch in the same dtype, times 2, plus a
+small floor; filtered mode additionally within the bound that filter_eps implies.
+"""
+
+import math
+
+import pytest
+import torch
+
+from cce_autotune import (
+    BackwardVariant,
+    IndexedDotVariant,
+    KernelVariants,
+    LinearCrossEntropy,
+    LSEForwardVariant,
+    linear_cross_entropy,
+)
+from helpers import grads_of, make_inputs, rel_err, torch_loss
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FLOOR = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 5e-4}
+
+SMALL = KernelVariants(
+    indexed_dot=IndexedDotVariant(block_b=16, block_d=16),
+    lse_forward=LSEForwardVariant(block_b=16, block_v=32, block_d=16, num_splits=4, group_b=2),
+    backward=BackwardVariant(block_b=16, block_v=32, block_d=16, group_b=2),
+)
+
+
+def run_case(batch, V, D, dtype, *, impl="triton", bias=False, softcap=None, reduction="mean", shift=0,
+             ignore=0.0, variants=SMALL, filter_eps=None, peaked=0.0, seed=0, return_lse=False, device="cpu"):
+    """Compare one configuration with the oracle; returns the measured errors and the tolerances."""
+    e, c, t, b = make_inputs(batch, V, D, dtype, bias=bias, seed=seed, peaked=peaked, device=device)
+    if ignore:
+        g = torch.Generator().manual_seed(seed + 1)
+        t = t.clone()
+        t[(torch.rand(t.shape, generator=g) < ignore).to(t.device)] = -100
+    kw = dict(softcap=softcap, reduction=reduction, shift=shift)
+
+    def ours(e_, c_, b_):
+        out = linear_cross_entropy(e_, c_, t, b_, impl=impl, variants=variants, filter_eps=filter_eps,
+                                   return_lse=return_lse, **kw)
+        if return_lse:  # z-loss style use of the LSE, so that its gradient path is exercised
+            loss, lse = out
+            return loss + 0.1 * (lse**2).sum() if loss.dim() == 0 else loss + 0.1 * lse**2
+        return out
+
+    def oracle(e_, c_, b_, dt=None):
+        out = torch_loss(e_, c_, t, b_, compute_dtype=dt, return_lse=return_lse, **kw)
+        if return_lse:
+            loss, lse = out
+            return loss + 0.1 * (lse**2).sum() if loss.dim() == 0 else loss + 0.1 * lse**2
+        return out
+
+    out, g_ours = grads_of(ours, e, c, b)
+    d64 = lambda x: x.double() if x is not None else None
+    ref, g_ref = grads_of(oracle, d64(e), d64(c), d64(b))
+    pt, g_pt = grads_of(lambda *a: oracle(*a, dt=dtype), e, c, b)
+    names = ["dE", "dC", "dbias"]
+    res = {"loss": (rel_err(out.detach(), ref.detach()), 2 * rel_err(pt.detach(), ref.detach()) + FLOOR[dtype])}
+    for n, go, gr, gp in zip(names, g_ours, g_ref, g_pt):
+        if gr is None:
+            continue
+        assert go is not None and go.dtype == dtype and go.shape == gr.shape, n
+        res[n] = (rel_err(go, gr), 2 * rel_err(gp, gr) + FLOOR[dtype])
+    return res, (e, c, t, b)
+
+
+def assert_within(res):
+    bad = {k: v for k, v in res.items() if not (v[0] <= v[1]) or math.isnan(v[0])}
+    assert not bad, f"errors above tolerance (err, tol): {bad}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("features", ["plain", "bias+softcap+shift"])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_matches_float64_oracle(dtype, reduction, features, impl, device):
+    full = features != "plain"
+    res, _ = run_case((37,), 301, 45, dtype, impl=impl, bias=full, softcap=12.0 if full else None,
+                      shift=1 if full else 0, reduction=reduction, ignore=0.1, device=device)
+    assert_within(res)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_batch_dims_shift_and_lse(impl, device):
+    # (3, 13) batch: shift acts on the last batch dim; LSE returned and differentiated (z-loss).
+    for reduction in ("mean", "none"):
+        res, _ = run_case((3, 13), 97, 40, torch.float32, impl=impl, shift=2, reduction=reduction,
+                          return_lse=True, ignore=0.2, bias=True, device=device)
+        assert_within(res)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_return_lse_values(impl, device):
+    e, c, t, b = make_inputs((5, 7), 64, 32, torch.float32, bias=True, device=device)
+    t[0, 3] = -100
+    loss, lse = linear_cross_entropy(e, c, t, b, reduction="none", shift=1, return_lse=True, impl=impl, variants=SMALL)
+    ref_loss, ref_lse = torch_loss(e.double(), c.double(), t, b.double(), reduction="none", shift=1, return_lse=True)
+    assert lse.shape == t[:, 1:].shape and loss.shape == t[:, 1:].shape
+    assert rel_err(lse, ref_lse) < 1e-5 and rel_err(loss, ref_loss) < 1e-5
+    assert lse[0, 2] == 0 and loss[0, 2] == 0  # the ignored position
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_targets_ignored(impl, reduction, device):
+    e, c, t, b = make_inputs((9,), 50, 16, torch.float32, bias=True, device=device)
+    t[:] = -100
+    out, grads = grads_of(lambda e_, c_, b_: linear_cross_entropy(e_, c_, t, b_, reduction=reduction, impl=impl,
+                                                                  variants=SMALL), e, c, b)
+    ref = torch_loss(e, c, t, b, reduction=reduction)
+    if reduction == "mean":
+        assert torch.isnan(out) and torch.isnan(ref)  # torch's answer: 0/0
+    else:
+        assert torch.equal(out.detach(), ref.detach())
+    for g in grads:
+        assert torch.count_nonzero(g) == 0
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_non_contiguous_inputs(impl, device):
+    g = torch.Generator().manual_seed(3)
+    base_e = torch.randn(40, 6, 24, generator=g)
+    e = base_e.transpose(0, 1)[:, ::2, :]  # (6, 20, 24), non-contiguous batch strides
+    base_c = torch.randn(64, 48, generator=g)
+    c = base_c[:, ::2]  # (64, 24), D stride 2
+    t = torch.randint(0, 64, (20, 6), generator=g).T  # (6, 20) non-contiguous
+    e, c, t = e.to(device), c.to(device), t.to(device)
+    assert not e.is_contiguous() and not c.is_contiguous() and not t.is_contiguous()
+    out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, shift=1, impl=impl, variants=SMALL), e, c)
+    ref, (re, rc) = grads_of(lambda e_, c_: torch_loss(e_, c_, t, shift=1), e.double(), c.double())
+    assert rel_err(out.detach(), ref.detach()) < 1e-5
+    assert rel_err(ge, re) < 1e-5 and rel_err(gc, rc) < 1e-5
+
+
+def test_module_wrapper(device):
+    e, c, t, b = make_inputs((2, 11), 70, 32, torch.float32, bias=True, device=device)
+    m = LinearCrossEntropy(reduction="sum", shift=1, softcap=20.0, impl="triton", variants=SMALL)
+    assert "reduction='sum'" in repr(m)
+    got = m(e, c, t, b)
+    ref = torch_loss(e.double(), c.double(), t, b.double(), reduction="sum", shift=1, softcap=20.0)
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_triton_and_torch_paths_agree_in_default_mode(device):
+    e, c, t, b = make_inputs((33,), 200, 48, torch.bfloat16, bias=True, device=device, peaked=2.0)
+    a, ga = grads_of(lambda *x: linear_cross_entropy(*x[:2], t, x[2], impl="torch"), e, c, b)
+    k, gk = grads_of(lambda *x: linear_cross_entropy(*x[:2], t, x[2], impl="triton", variants=SMALL), e, c, b)
+    assert rel_err(k.detach(), a.detach()) < 1e-4
+    for x, y in zip(gk, ga):
+        assert rel_err(x, y) < 1e-2
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_nan_and_inf_propagate(value, impl, device):
+    e, c, t, _ = make_inputs((8,), 40, 16, torch.float32, device=device)
+    e[2, 5] = value
+    out = linear_cross_entropy(e, c, t, reduction="none", impl=impl, variants=SMALL)
+    ref = torch_loss(e, c, t, reduction="none")
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.isfinite(out[[0, 1, 3]]).all()

@@ -1,0 +1,129 @@
+"""Every kernel variant the tuner may pick must pass the same checks as the defaults.
+
+The sweeps cover each knob value of the search spaces at least once (block shapes, warps, stages,
+group size, splits, both LSE merges, lock counts, sorting on/off, filtering on/off, both gradient
+accumulations), on shapes that divide no block.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from cce_autotune import BackwardVariant, IndexedDotVariant, KernelVariants, LSEForwardVariant, linear_cross_entropy
+from helpers import grads_of, make_inputs, rel_err, torch_loss
+from test_loss import SMALL, assert_within, run_case
+
+SHAPES = [(16, 16, 16), (32, 64, 32), (64, 32, 16), (16, 128, 64)]
+
+
+@pytest.mark.parametrize("block_b, block_d", [(1, 16), (16, 32), (64, 128), (256, 256)])
+def test_indexed_dot_variants(block_b, block_d, device):
+    kv = SMALL.replace(indexed_dot=IndexedDotVariant(block_b=block_b, block_d=block_d, num_warps=2))
+    res, _ = run_case((37,), 301, 45, torch.bfloat16, bias=True, softcap=7.0, variants=kv, device=device)
+    assert_within(res)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("merge, num_locks, num_splits", [("buffer", 64, 1), ("buffer", 64, 7), ("lock", 1, 64), ("lock", 4, 3)])
+def test_lse_forward_variants(shape, merge, num_locks, num_splits, device):
+    bb, bv, bd = shape
+    v = LSEForwardVariant(block_b=bb, block_v=bv, block_d=bd, merge=merge, num_locks=num_locks,
+                          num_splits=num_splits, group_b=1 if num_splits == 7 else 4, num_warps=4, num_stages=2)
+    res, _ = run_case((37,), 301, 45, torch.float32, variants=SMALL.replace(lse_forward=v), bias=True, device=device)
+    assert_within(res)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("accum", ["fp32", "native"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_backward_exact_variants(shape, accum, dtype, device):
+    bb, bv, bd = shape
+    v = BackwardVariant(block_b=bb, block_v=bv, block_d=bd, accum=accum, filter_eps=None, num_locks=2,
+                        group_b=2, num_warps=4, num_stages=2)
+    res, _ = run_case((37,), 301, 45, dtype, variants=SMALL.replace(backward=v), bias=True, softcap=9.0,
+                      shift=1, device=device)
+    assert_within(res)
+
+
+def filtered_bound(e, c, t, b, eps, reduction="mean"):
+    """Upper bound on the relative dE/dC error that skipping tiles with all softmax < eps can cause.
+
+    Only entries with softmax < eps (and not a target) can be dropped, so the dropped gradient G_s
+    satisfies ||dE error|| <= ||G_s||_F ||C||_2 and ||dC error|| <= ||G_s||_F ||E||_2.
+    """
+    e64, c64 = e.double().reshape(-1, e.shape[-1]), c.double()
+    z = e64 @ c64.T + (b.double() if b is not None else 0)
+    s = torch.softmax(z, dim=1)
+    n = t.numel() if reduction == "mean" else 1
+    small = torch.where(s < eps, s / n, 0.0)
+    small[torch.arange(t.numel()), t.reshape(-1)] = 0
+    (_, (ge, gc)) = grads_of(lambda e_, c_: torch_loss(e_, c_, t, b.double() if b is not None else None), e.double(), c.double())
+    g_norm = small.norm()
+    return float(g_norm * torch.linalg.matrix_norm(c64, 2) / ge.norm()), float(g_norm * torch.linalg.matrix_norm(e64, 2) / gc.norm())
+
+
+@pytest.mark.parametrize("sort_vocab", [True, False])
+@pytest.mark.parametrize("accum", ["fp32", "native"])
+@pytest.mark.parametrize("eps", [2.0**-12, 2.0**-6])
+def test_backward_filtered_variants_within_eps_bound(sort_vocab, accum, eps, device):
+    v = BackwardVariant(block_b=16, block_v=32, block_d=16, accum=accum, sort_vocab=sort_vocab, filter_eps=eps,
+                        num_locks=8, group_b=4)
+    dtype = torch.float32
+    res, (e, c, t, b) = run_case((37,), 301, 45, dtype, variants=SMALL.replace(backward=v), bias=True,
+                                 peaked=2.0, filter_eps="auto", device=device)
+    bound_de, bound_dc = filtered_bound(e, c, t, b, eps)
+    res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
+    res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
+    res.pop("dbias")  # bounded like dC; checked through dC
+    assert_within(res)
+
+
+def test_filtering_skips_tiles_and_sorting_helps(device):
+    # A large eps on peaked data: the filtered gradient must differ from the exact one (tiles were
+    # skipped) but stay within the bound; sorting must not make it worse than the bound either.
+    e, c, t, b = make_inputs((64,), 512, 32, torch.float32, peaked=3.0, seed=5, device=device)
+    exact = KernelVariants(backward=BackwardVariant(block_b=16, block_v=32, block_d=16, filter_eps=None))
+    fn = lambda kv: grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, variants=kv, impl="triton"), e, c)[1]
+    ge, gc = fn(exact)
+    bound_de, _ = filtered_bound(e, c, t, None, 0.05)
+    for sort in (False, True):
+        kv = exact.replace(backward=exact.backward.replace(filter_eps=0.05, sort_vocab=sort))
+        fe, fc = fn(kv)
+        assert not torch.equal(fe, ge), "nothing was filtered"
+        assert rel_err(fe, ge) <= bound_de + 1e-6
+
+
+def test_bf16_native_accumulation_error_is_bounded(device):
+    # Native accumulation rounds each tile's read-modify-write of dE to bf16 (relative 2^-8 at most,
+    # counting the rounding of the gradient operand too). Elementwise every partial sum is at most
+    # (|G| |C|)_ij, so ||error|| <= tiles * 2^-8 * || |G| |C| ||. Flat data is the worst case (every
+    # tile contributes); lost or doubled updates (a broken lock) would break the bound by far.
+    v = BackwardVariant(block_b=16, block_v=32, block_d=16, accum="native", filter_eps=None, num_locks=4)
+    res, (e, c, t, b) = run_case((37,), 301, 45, torch.bfloat16, variants=SMALL.replace(backward=v), device=device)
+    e64, c64 = e.double(), c.double()
+    g = torch.softmax(e64 @ c64.T, dim=1)
+    g[torch.arange(37), t] -= 1
+    g /= 37
+    tiles_e, tiles_c = -(-301 // 32), -(-37 // 16)
+    bound_de = tiles_e * 2.0**-8 * float((g.abs() @ c64.abs()).norm() / (g @ c64).norm())
+    bound_dc = tiles_c * 2.0**-8 * float((g.abs().T @ e64.abs()).norm() / (g.T @ e64).norm())
+    assert res["dE"][0] <= res["dE"][1] + bound_de, (res["dE"], bound_de)
+    assert res["dC"][0] <= res["dC"][1] + bound_dc, (res["dC"], bound_dc)
+    assert bound_de < 0.5 and bound_dc < 0.5  # the bound itself is meaningful
+
+
+@pytest.mark.parametrize("num_warps, num_stages", [(1, 1), (2, 3), (4, 4), (8, 5), (16, 2)])
+@pytest.mark.parametrize("group_b", [1, 8, 64])
+def test_launch_knobs(num_warps, num_stages, group_b, device):
+    # Warps and stages only change code generation on a GPU; in the interpreter they must still be
+    # accepted and leave results intact. Group size changes the program order (swizzle).
+    kv = KernelVariants(
+        indexed_dot=IndexedDotVariant(block_b=16, block_d=16, num_warps=num_warps, num_stages=num_stages),
+        lse_forward=LSEForwardVariant(block_b=16, block_v=16, block_d=16, group_b=group_b, num_splits=5,
+                                      num_warps=num_warps, num_stages=num_stages),
+        backward=BackwardVariant(block_b=16, block_v=16, block_d=16, group_b=group_b, filter_eps=None,
+                                 num_warps=num_warps, num_stages=num_stages),
+    )
+    res, _ = run_case((45,), 100, 33, torch.float32, variants=kv, bias=True, device=device)
+    assert_within(res)
