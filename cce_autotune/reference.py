@@ -11,11 +11,13 @@ import torch
 
 __all__ = ["forward", "backward", "chunk_rows"]
 
-_CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in fp32)
+# Logits per chunk: 64 MiB of fp32 on the CPU, 1 GiB on a GPU (where small chunks starve the matmul).
+_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}
 
 
-def chunk_rows(V: int) -> int:
-    return max(1, _CHUNK_ELEMENTS // max(1, V))
+def chunk_rows(V: int, device: torch.device | str = "cpu") -> int:
+    per = _CHUNK_ELEMENTS.get(torch.device(device).type, 1 << 24)
+    return max(1, per // max(1, V))
 
 
 def _compute_dtype(e: torch.Tensor) -> torch.dtype:
@@ -42,7 +44,7 @@ def forward(e, c, bias, rows, targets, softcap=None):
     n = rows.shape[0]
     lse = torch.empty(n, dtype=dt, device=e.device)
     zt = torch.empty(n, dtype=dt, device=e.device)
-    step = chunk_rows(c.shape[0])
+    step = chunk_rows(c.shape[0], e.device)
     for lo in range(0, n, step):
         r = rows[lo : lo + step]
         z, _ = _logits(e2[r].to(dt), cc, bb, softcap)
@@ -65,7 +67,7 @@ def backward(e, c, bias, rows, targets, lse, coef_s, coef_t, softcap=None):
     de = torch.zeros(e2.shape, dtype=dt, device=e.device)
     dc = torch.zeros(c.shape, dtype=dt, device=e.device)
     dbias = torch.zeros(c.shape[0], dtype=dt, device=e.device) if bias is not None else None
-    step = chunk_rows(c.shape[0])
+    step = chunk_rows(c.shape[0], e.device)
     for lo in range(0, rows.shape[0], step):
         sl = slice(lo, lo + step)
         r = rows[sl]

@@ -43,7 +43,7 @@ def grads_of(fn, *tensors):
     out = fn(*leaves)
     loss = out if not isinstance(out, tuple) else out[0]
     if loss.dim() > 0:
-        g = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype).view(loss.shape)
+        g = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype, device=loss.device).view(loss.shape)
         (loss * g).sum().backward()
     else:
         loss.backward()

@@ -4,26 +4,28 @@ import pytest
 import torch
 
 from cce_autotune import KernelVariants, linear_cross_entropy
+from conftest import DEVICE
 
 V, D = 20, 8
 
 
 def ok_inputs():
     g = torch.Generator().manual_seed(0)
-    return torch.randn(4, 5, D, generator=g), torch.randn(V, D, generator=g), torch.randint(0, V, (4, 5), generator=g)
+    e, c, t = torch.randn(4, 5, D, generator=g), torch.randn(V, D, generator=g), torch.randint(0, V, (4, 5), generator=g)
+    return e.to(DEVICE), c.to(DEVICE), t.to(DEVICE)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize(
     "mutate, exc, name",
     [
-        (lambda e, c, t, kw: (e, torch.randn(V, D + 1), t, kw), ValueError, "c"),
+        (lambda e, c, t, kw: (e, torch.randn(V, D + 1, device=e.device), t, kw), ValueError, "c"),
         (lambda e, c, t, kw: (e, c, t[:, :4], kw), ValueError, "targets"),
         (lambda e, c, t, kw: (e, c, t.float(), kw), TypeError, "targets"),
         (lambda e, c, t, kw: (e, c, t.clone().fill_(V), kw), ValueError, "targets"),
         (lambda e, c, t, kw: (e, c, t.clone().fill_(-1), kw), ValueError, "targets"),
-        (lambda e, c, t, kw: (e, c, t, {**kw, "bias": torch.randn(V + 1)}), ValueError, "bias"),
-        (lambda e, c, t, kw: (e, c, t, {**kw, "bias": torch.randn(V, 2)}), ValueError, "bias"),
+        (lambda e, c, t, kw: (e, c, t, {**kw, "bias": torch.randn(V + 1, device=e.device)}), ValueError, "bias"),
+        (lambda e, c, t, kw: (e, c, t, {**kw, "bias": torch.randn(V, 2, device=e.device)}), ValueError, "bias"),
         (lambda e, c, t, kw: (e, c, t, {**kw, "reduction": "avg"}), ValueError, "reduction"),
         (lambda e, c, t, kw: (e, c, t, {**kw, "shift": 5}), ValueError, "shift"),
         (lambda e, c, t, kw: (e, c, t, {**kw, "shift": -1}), ValueError, "shift"),
@@ -61,25 +63,25 @@ def test_targets_out_of_range_other_than_ignore_index():
 def test_tensors_on_different_devices():
     e, c, t = ok_inputs()
     with pytest.raises(ValueError, match="^c: on cpu"):
-        linear_cross_entropy(e.cuda(), c, t.cuda())
+        linear_cross_entropy(e.cuda(), c.cpu(), t.cuda())
 
 
 def test_tensors_on_different_devices_meta():
     # Without a GPU the device check is still exercised with the 'meta' device.
-    e, c, t = ok_inputs()
+    e, c, t = (x.cpu() for x in ok_inputs())
     with pytest.raises(ValueError, match="^targets: on meta"):
         linear_cross_entropy(e, c, t.to("meta"), impl="torch")
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    e, c, t = ok_inputs()
+    e, c, t = (x.cpu() for x in ok_inputs())
     with pytest.raises(ValueError, match="^impl: 'triton' needs CUDA tensors"):
         linear_cross_entropy(e, c, t, impl="triton")
 
 
 def test_auto_on_cpu_uses_torch_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    e, c, t = ok_inputs()
+    e, c, t = (x.cpu() for x in ok_inputs())
     loss = linear_cross_entropy(e, c, t, variants=KernelVariants())
     assert torch.isfinite(loss)

@@ -57,7 +57,7 @@ def filtered_bound(e, c, t, b, eps, reduction="mean"):
     s = torch.softmax(z, dim=1)
     n = t.numel() if reduction == "mean" else 1
     small = torch.where(s < eps, s / n, 0.0)
-    small[torch.arange(t.numel()), t.reshape(-1)] = 0
+    small[torch.arange(t.numel(), device=t.device), t.reshape(-1)] = 0
     (_, (ge, gc)) = grads_of(lambda e_, c_: torch_loss(e_, c_, t, b.double() if b is not None else None), e.double(), c.double())
     g_norm = small.norm()
     return float(g_norm * torch.linalg.matrix_norm(c64, 2) / ge.norm()), float(g_norm * torch.linalg.matrix_norm(e64, 2) / gc.norm())
@@ -103,7 +103,7 @@ def test_bf16_native_accumulation_error_is_bounded(device):
     res, (e, c, t, b) = run_case((37,), 301, 45, torch.bfloat16, variants=SMALL.replace(backward=v), device=device)
     e64, c64 = e.double(), c.double()
     g = torch.softmax(e64 @ c64.T, dim=1)
-    g[torch.arange(37), t] -= 1
+    g[torch.arange(37, device=t.device), t] -= 1
     g /= 37
     tiles_e, tiles_c = -(-301 // 32), -(-37 // 16)
     bound_de = tiles_e * 2.0**-8 * float((g.abs() @ c64.abs()).norm() / (g @ c64).norm())

@@ -1,0 +1,440 @@
+"""The tuned-config database: ``tuned_configs/<gpu-slug>.yaml`` files and the GPU alias table.
+
+One file per GPU slug::
+
+    schema_version: 1
+    gpu: h200
+    entries:
+    - key: {kernel: backward, dtype: bf16, B: 8192, V: 256128, D: 2304, has_bias: false, has_softcap: false}
+      variant: {kernel: backward, num_warps: 8, num_stages: 3, block_b: 128, ...}   # variant.to_dict()
+      timing_ms: {median: 20.1, p20: 20.0, p80: 20.3}
+      default_ms: {median: 25.4, p20: 25.3, p80: 25.6}   # the built-in default, same run
+      speedup: 1.264                                      # default median / tuned median
+      trials: 120
+      device_name: NVIDIA H200
+      versions: {torch: 2.13.0, triton: 3.9.0, cce_autotune: 0.1.0}
+      template_hash: 1f0c...                              # codegen.template_hash(kernel) it was tuned on
+      tuned_on: '2026-12-01T10:31:05+00:00'
+
+Loading validates everything (a bad file raises :class:`ConfigDBError` naming the file and the
+problem). Saving is atomic (temp file + ``os.replace``) and locked (``fcntl.flock`` on a sidecar
+``.lock`` file): the file is re-read under the lock and merged, so concurrent writers lose nothing, and
+a new result replaces an entry only when it is faster on the same key.
+
+This module knows YAML but not Optuna; it imports neither torch nor the tuner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import yaml
+
+from .variant import KERNELS, VariantError, _Variant, variant_from_dict
+
+try:  # POSIX; elsewhere saves are atomic but not locked
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DTYPES",
+    "ConfigDBError",
+    "EntryKey",
+    "Entry",
+    "ConfigFile",
+    "MergeReport",
+    "load_file",
+    "parse_config",
+    "merge_entries",
+    "save_entries",
+    "AliasTable",
+    "load_aliases",
+    "slugify",
+]
+
+SCHEMA_VERSION = 1
+DTYPES = ("bf16", "fp16", "fp32")
+_HEADER = (
+    "# Tuned Cut Cross-Entropy kernel variants for one GPU, written by `cce-tune`.\n"
+    "# Format: see cce_autotune/db.py (schema_version 1). Edit with care; `cce-tune show` explains lookups.\n"
+)
+
+
+class ConfigDBError(ValueError):
+    """A config or alias file cannot be used; ``path`` is the file, ``problem`` what is wrong."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+# -- entries -----------------------------------------------------------------------------------
+@dataclass(frozen=True, order=True)
+class EntryKey:
+    """What a tuned entry is for: kernel, dtype, shape (B is a power-of-two bucket) and feature flags."""
+
+    kernel: str
+    dtype: str
+    B: int
+    V: int
+    D: int
+    has_bias: bool = False
+    has_softcap: bool = False
+
+    def to_dict(self) -> dict:
+        return {
+            "kernel": self.kernel, "dtype": self.dtype, "B": self.B, "V": self.V, "D": self.D,
+            "has_bias": self.has_bias, "has_softcap": self.has_softcap,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "key") -> "EntryKey":
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+        names = ("kernel", "dtype", "B", "V", "D", "has_bias", "has_softcap")
+        missing = [n for n in names if n not in data]
+        unknown = sorted(set(data) - set(names))
+        if missing or unknown:
+            raise ValueError(f"{where}: " + "; ".join(
+                ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])
+            ))
+        if data["kernel"] not in KERNELS:
+            raise ValueError(f"{where}.kernel: {data['kernel']!r} is not one of {sorted(KERNELS)}")
+        if data["dtype"] not in DTYPES:
+            raise ValueError(f"{where}.dtype: {data['dtype']!r} is not one of {list(DTYPES)}")
+        for n in ("B", "V", "D"):
+            v = data[n]
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{where}.{n}: expected a positive integer, got {v!r}")
+        for n in ("has_bias", "has_softcap"):
+            if not isinstance(data[n], bool):
+                raise ValueError(f"{where}.{n}: expected true or false, got {data[n]!r}")
+        return cls(**{n: data[n] for n in names})
+
+    def describe(self) -> str:
+        flags = [f for f in ("has_bias", "has_softcap") if getattr(self, f)]
+        return (f"{self.kernel} {self.dtype} B={self.B} V={self.V} D={self.D}"
+                + (f" [{', '.join(flags)}]" if flags else ""))
+
+
+def _timing(data: Any, where: str) -> dict:
+    if not isinstance(data, Mapping) or set(data) != {"median", "p20", "p80"}:
+        raise ValueError(f"{where}: expected {{median, p20, p80}} in milliseconds, got {data!r}")
+    out = {}
+    for k in ("median", "p20", "p80"):
+        v = data[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{where}.{k}: expected a positive number of milliseconds, got {v!r}")
+        out[k] = float(v)
+    return out
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tuned result: the winning variant for a key, with its measurements and provenance."""
+
+    key: EntryKey
+    variant: _Variant
+    timing_ms: dict  # {median, p20, p80}
+    default_ms: dict  # the built-in default's {median, p20, p80}, measured in the same run
+    template_hash: str
+    tuned_on: str  # ISO 8601
+    versions: dict = field(default_factory=dict)  # {torch, triton, cce_autotune}
+    device_name: str = ""
+    trials: int = 0
+
+    @property
+    def median_ms(self) -> float:
+        return self.timing_ms["median"]
+
+    @property
+    def speedup(self) -> float:
+        return self.default_ms["median"] / self.timing_ms["median"]
+
+    def to_dict(self) -> dict:
+        return {
+            "key": self.key.to_dict(),
+            "variant": self.variant.to_dict(),
+            "timing_ms": dict(self.timing_ms),
+            "default_ms": dict(self.default_ms),
+            "speedup": round(self.speedup, 4),
+            "trials": self.trials,
+            "device_name": self.device_name,
+            "versions": dict(self.versions),
+            "template_hash": self.template_hash,
+            "tuned_on": self.tuned_on,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "entry") -> "Entry":
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+        required = ("key", "variant", "timing_ms", "default_ms", "template_hash", "tuned_on")
+        optional = ("speedup", "trials", "device_name", "versions")
+        missing = [n for n in required if n not in data]
+        if missing:
+            raise ValueError(f"{where}: missing {missing}")
+        unknown = sorted(set(data) - set(required) - set(optional))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}")
+        key = EntryKey.from_dict(data["key"], f"{where}.key")
+        vdata = data["variant"]
+        if not isinstance(vdata, Mapping):
+            raise ValueError(f"{where}.variant: expected a mapping of knobs")
+        if vdata.get("kernel", key.kernel) != key.kernel:
+            raise ValueError(f"{where}.variant: kernel {vdata.get('kernel')!r} differs from key kernel {key.kernel!r}")
+        try:
+            variant = variant_from_dict({"kernel": key.kernel, **vdata})
+            variant.validate(elem_bytes=4 if key.dtype == "fp32" else 2, smem_limit=None)
+        except (VariantError, TypeError) as exc:
+            raise ValueError(f"{where}.variant: {exc}") from None
+        for n in ("template_hash", "tuned_on"):
+            if not isinstance(data[n], str) or not data[n]:
+                raise ValueError(f"{where}.{n}: expected a non-empty string, got {data[n]!r}")
+        versions = data.get("versions", {}) or {}
+        if not isinstance(versions, Mapping) or not all(isinstance(v, str) for v in versions.values()):
+            raise ValueError(f"{where}.versions: expected a mapping of package -> version string")
+        trials = data.get("trials", 0)
+        if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
+            raise ValueError(f"{where}.trials: expected a non-negative integer, got {trials!r}")
+        device_name = data.get("device_name", "") or ""
+        if not isinstance(device_name, str):
+            raise ValueError(f"{where}.device_name: expected a string")
+        return cls(
+            key=key, variant=variant,
+            timing_ms=_timing(data["timing_ms"], f"{where}.timing_ms"),
+            default_ms=_timing(data["default_ms"], f"{where}.default_ms"),
+            template_hash=data["template_hash"], tuned_on=data["tuned_on"], versions=dict(versions),
+            device_name=device_name, trials=trials,
+        )
+
+
+@dataclass
+class ConfigFile:
+    path: Path
+    gpu: str
+    entries: list  # of Entry, at most one per key
+
+    def by_key(self) -> dict:
+        return {e.key: e for e in self.entries}
+
+
+def parse_config(text: str, path: str | Path, expect_gpu: str | None = None) -> ConfigFile:
+    """Parse and validate the text of a config file; errors name ``path``."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigDBError(path, f"not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigDBError(path, "expected a mapping with schema_version, gpu and entries at the top")
+    if "schema_version" not in data:
+        raise ConfigDBError(path, f"missing schema_version (expected {SCHEMA_VERSION})")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise ConfigDBError(
+            path, f"schema_version {data['schema_version']!r} is not supported (this version reads {SCHEMA_VERSION})"
+        )
+    unknown = sorted(set(data) - {"schema_version", "gpu", "entries"})
+    if unknown:
+        raise ConfigDBError(path, f"unknown top-level key(s) {unknown}")
+    gpu = data.get("gpu")
+    if not isinstance(gpu, str) or not gpu:
+        raise ConfigDBError(path, "gpu: expected the GPU slug as a non-empty string")
+    if expect_gpu is not None and gpu != expect_gpu:
+        raise ConfigDBError(path, f"gpu: file is for {gpu!r} but is named for {expect_gpu!r}")
+    raw = data.get("entries") or []
+    if not isinstance(raw, list):
+        raise ConfigDBError(path, "entries: expected a list")
+    entries: dict[EntryKey, Entry] = {}
+    for i, item in enumerate(raw):
+        try:
+            entry = Entry.from_dict(item, f"entries[{i}]")
+        except ValueError as exc:
+            raise ConfigDBError(path, str(exc)) from None
+        if entry.key in entries:
+            raise ConfigDBError(path, f"entries[{i}]: key {entry.key.describe()} appears twice")
+        entries[entry.key] = entry
+    return ConfigFile(path=Path(path), gpu=gpu, entries=list(entries.values()))
+
+
+def load_file(path: str | Path, expect_gpu: str | None = None) -> ConfigFile:
+    """Read and validate one ``<slug>.yaml`` (``expect_gpu``: the slug its name promises)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigDBError(path, f"cannot read: {exc.strerror or exc}") from None
+    return parse_config(text, path, expect_gpu)
+
+
+# -- saving ------------------------------------------------------------------------------------
+@dataclass
+class MergeReport:
+    added: list = field(default_factory=list)  # keys
+    replaced: list = field(default_factory=list)  # keys whose entry was slower than the new one
+    kept: list = field(default_factory=list)  # keys where the stored entry is at least as fast
+
+    def __str__(self) -> str:
+        return f"{len(self.added)} added, {len(self.replaced)} replaced (faster), {len(self.kept)} kept (stored one as fast or faster)"
+
+
+def merge_entries(existing: Iterable[Entry], new: Iterable[Entry]) -> tuple[list, MergeReport]:
+    """Entries after adding ``new``: a new entry replaces a stored one only if it is faster."""
+    out = {e.key: e for e in existing}
+    report = MergeReport()
+    for e in new:
+        old = out.get(e.key)
+        if old is None:
+            out[e.key] = e
+            report.added.append(e.key)
+        elif e.median_ms < old.median_ms:
+            out[e.key] = e
+            report.replaced.append(e.key)
+        else:
+            report.kept.append(e.key)
+    return [out[k] for k in sorted(out)], report
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "a+") as f:
+        if fcntl is not None:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _dump(gpu: str, entries: list) -> str:
+    body = {"schema_version": SCHEMA_VERSION, "gpu": gpu, "entries": [e.to_dict() for e in entries]}
+    return _HEADER + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def save_entries(path: str | Path, entries: Iterable[Entry], gpu: str | None = None) -> MergeReport:
+    """Merge ``entries`` into the file at ``path`` (created if absent) under an exclusive lock.
+
+    ``gpu`` defaults to the file name's stem. A stored file that does not load is never overwritten:
+    :class:`ConfigDBError` names it.
+    """
+    path = Path(path)
+    gpu = gpu or path.stem
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        existing = load_file(path, expect_gpu=gpu).entries if path.exists() else []
+        merged, report = merge_entries(existing, entries)
+        _write_atomic(path, _dump(gpu, merged))
+    return report
+
+
+# -- GPU names -> slugs --------------------------------------------------------------------------
+def slugify(name: str) -> str:
+    """A file-name-safe slug of a device name: ``"NVIDIA GeForce RTX 4090"`` -> ``"geforce-rtx-4090"``."""
+    s = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    s = re.sub(r"^nvidia-", "", s)
+    return s or "unknown"
+
+
+@dataclass
+class AliasTable:
+    """Device name -> GPU slug: exact names first, then case-insensitive substring rules in order."""
+
+    exact: dict = field(default_factory=dict)  # device name -> slug
+    contains: list = field(default_factory=list)  # (lower-case substring, slug), first match wins
+    shared_memory: dict = field(default_factory=dict)  # slug -> opt-in shared memory per block (bytes)
+
+    @property
+    def slugs(self) -> set:
+        return set(self.exact.values()) | {s for _, s in self.contains} | set(self.shared_memory)
+
+    def match(self, name: str) -> str | None:
+        """The slug an alias rule gives ``name``, or None."""
+        if name in self.exact:
+            return self.exact[name]
+        low = name.lower()
+        for sub, slug in self.contains:
+            if sub in low:
+                return slug
+        return None
+
+    def resolve(self, name_or_slug: str) -> str:
+        """Slug for a device name or a slug (a known slug maps to itself; unknown names are slugified)."""
+        name_or_slug = name_or_slug.strip()
+        if name_or_slug in self.slugs:
+            return name_or_slug
+        return self.match(name_or_slug) or slugify(name_or_slug)
+
+    def extend(self, other: "AliasTable") -> "AliasTable":
+        """``other``'s rules after this table's (this one wins on conflicts)."""
+        return AliasTable(
+            exact={**other.exact, **self.exact},
+            contains=list(self.contains) + [r for r in other.contains if r not in self.contains],
+            shared_memory={**other.shared_memory, **self.shared_memory},
+        )
+
+
+def _parse_aliases(path: Path) -> AliasTable:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigDBError(path, f"cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigDBError(path, f"not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigDBError(path, "expected a mapping with schema_version, exact, contains")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ConfigDBError(path, f"schema_version {data.get('schema_version')!r} is not supported (expected {SCHEMA_VERSION})")
+    unknown = sorted(set(data) - {"schema_version", "exact", "contains", "shared_memory"})
+    if unknown:
+        raise ConfigDBError(path, f"unknown top-level key(s) {unknown}")
+    exact = data.get("exact") or {}
+    if not isinstance(exact, dict) or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in exact.items()):
+        raise ConfigDBError(path, "exact: expected a mapping of device name -> slug (strings)")
+    contains = []
+    for i, rule in enumerate(data.get("contains") or []):
+        if not isinstance(rule, dict) or set(rule) != {"match", "slug"} or not all(
+            isinstance(rule[k], str) and rule[k] for k in ("match", "slug")
+        ):
+            raise ConfigDBError(path, f"contains[{i}]: expected {{match: substring, slug: slug}}")
+        contains.append((rule["match"].lower(), rule["slug"]))
+    smem = data.get("shared_memory") or {}
+    if not isinstance(smem, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0 for k, v in smem.items()
+    ):
+        raise ConfigDBError(path, "shared_memory: expected a mapping of slug -> bytes (positive integers)")
+    return AliasTable(exact=dict(exact), contains=contains, shared_memory=dict(smem))
+
+
+def load_aliases(paths: Iterable[str | Path]) -> AliasTable:
+    """Merge the alias files that exist among ``paths`` (earlier files take precedence)."""
+    table = AliasTable()
+    for p in paths:
+        p = Path(p)
+        if p.is_file():
+            table = table.extend(_parse_aliases(p))
+    return table
