@@ -1,10 +1,13 @@
 """Launch wrappers: tensors in, tensors out, one function per kernel.
 
-All three kernels address the rows of E through ``row_off`` (int64 element offsets of each row that
-takes part), so ignored rows, ``shift`` and non-contiguous batch layouts cost no copy of E.
+The kernels address the rows of E through a :class:`RowLayout`: either densely (row i at
+``i * stride``) or through int64 element offsets of each row that takes part, so that ignored rows,
+``shift`` and non-contiguous batch layouts cost no copy of E.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -12,10 +15,34 @@ import triton
 from .codegen import Flags, interpreting, load_kernel
 from .variant import BackwardVariant, IndexedDotVariant, LSEForwardVariant
 
-__all__ = ["indexed_dot", "lse_forward", "backward"]
+__all__ = ["RowLayout", "indexed_dot", "lse_forward", "backward"]
 
 
-def _flags(e: torch.Tensor, bias, softcap, block_d: int, **extra) -> Flags:
+@dataclass
+class RowLayout:
+    """Where the rows taking part live.
+
+    ``offsets``: element offset of each row in E's storage; ``de_offsets``: in a contiguous tensor
+    shaped like E (where dE is accumulated); ``dense_stride``: set when row i is simply at
+    ``i * dense_stride`` (and at ``i * D`` in dE), so no table is read; ``aligned``: every offset is
+    a multiple of 8 elements and E's base is 16-byte aligned.
+    """
+
+    offsets: torch.Tensor
+    de_offsets: torch.Tensor
+    dense_stride: int | None = None
+    aligned: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.offsets.shape[0]
+
+    @property
+    def stride(self) -> int:
+        return self.dense_stride if self.dense_stride is not None else 0
+
+
+def _flags(e: torch.Tensor, bias, softcap, block_d: int, rows: RowLayout, **extra) -> Flags:
     D = e.shape[-1]
     return Flags(
         has_bias=bias is not None,
@@ -23,6 +50,8 @@ def _flags(e: torch.Tensor, bias, softcap, block_d: int, **extra) -> Flags:
         even_d=D % block_d == 0,
         ieee_dot=e.dtype == torch.float32,
         interpret=interpreting(),
+        dense_rows=rows.dense_stride is not None,
+        rows_aligned=rows.aligned,
         **extra,
     )
 
@@ -31,17 +60,17 @@ def _softcap_arg(softcap) -> float:
     return float(softcap) if softcap is not None else 1.0
 
 
-def indexed_dot(e, c, bias, row_off, targets, softcap, variant: IndexedDotVariant) -> torch.Tensor:
+def indexed_dot(e, c, bias, rows: RowLayout, targets, softcap, variant: IndexedDotVariant) -> torch.Tensor:
     """z[i] = softcap(e_row(i) . c[targets[i]] + bias[targets[i]]) in fp32, shape (n_rows,)."""
-    n_rows, D = row_off.shape[0], e.shape[-1]
+    n_rows, D = rows.n, e.shape[-1]
     out = torch.empty(n_rows, dtype=torch.float32, device=e.device)
     if n_rows == 0:
         return out
-    kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d))
+    kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows))
     grid = (triton.cdiv(n_rows, variant.block_b),)
     kernel[grid](
-        e, c, bias if bias is not None else c, row_off, targets, out,
-        n_rows, D, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
+        e, c, bias if bias is not None else c, rows.offsets, targets, out,
+        n_rows, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
         BLOCK_B=variant.block_b, BLOCK_D=variant.block_d,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
@@ -54,13 +83,13 @@ def split_plan(n_vocab_tiles: int, num_splits: int) -> tuple[int, int]:
     return tiles_per_split, triton.cdiv(n_vocab_tiles, tiles_per_split)
 
 
-def lse_forward(e, c, bias, row_off, softcap, variant: LSEForwardVariant, vocab_stats: bool = False):
+def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant, vocab_stats: bool = False):
     """Per-row log-sum-exp of the (softcapped) logits, fp32 (n_rows,).
 
     With ``vocab_stats`` also returns the per-vocabulary sum of logits over the rows (fp32 (V,)),
     else None.
     """
-    n_rows, D = row_off.shape[0], e.shape[-1]
+    n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
     vocab_sum = torch.zeros(V, dtype=torch.float32, device=dev) if vocab_stats else None
@@ -73,12 +102,12 @@ def lse_forward(e, c, bias, row_off, softcap, variant: LSEForwardVariant, vocab_
     else:
         out = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
         locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
-    kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, vocab_stats=vocab_stats))
+    kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows, vocab_stats=vocab_stats))
     grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
     kernel[grid](
-        e, c, bias if bias is not None else c, row_off, out, locks,
+        e, c, bias if bias is not None else c, rows.offsets, out, locks,
         vocab_sum if vocab_sum is not None else out,
-        n_rows, V, D, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
+        n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
         tiles_per_split, num_splits,
         BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
         GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
@@ -89,17 +118,17 @@ def lse_forward(e, c, bias, row_off, softcap, variant: LSEForwardVariant, vocab_
 
 
 def backward(
-    e, c, bias, row_off, target_pos, lse, coef_s, coef_t, perm, de_row_off, softcap,
+    e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap,
     filter_eps, variant: BackwardVariant,
 ):
     """dE (shape and dtype of ``e``), dC (of ``c``), dbias (of ``bias``, or None).
 
     ``target_pos[i]`` is the column position of row i's target in the walked vocabulary order (its
     vocab index, or ``inv_perm[target]`` when ``perm`` is given). The gradient of row i's logits is
-    ``softmax * coef_s[i] - onehot * coef_t[i]`` (times the softcap derivative). ``de_row_off`` gives
-    each row's element offset in a contiguous tensor shaped like ``e``. ``filter_eps=None``: exact.
+    ``softmax * coef_s[i] - onehot * coef_t[i]`` (times the softcap derivative).
+    ``filter_eps=None``: exact.
     """
-    n_rows, D = row_off.shape[0], e.shape[-1]
+    n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
     native = variant.accum == "native"
@@ -109,15 +138,15 @@ def backward(
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
     if n_rows > 0:
         variant = variant.replace(filter_eps=filter_eps, sort_vocab=perm is not None)
-        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d))
+        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows))
         locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
         locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
         grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(V, variant.block_v),)
         kernel[grid](
-            e, c, bias if bias is not None else c, row_off, target_pos, lse, coef_s, coef_t,
+            e, c, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
             perm if perm is not None else target_pos,
-            de, de_row_off, dc, dbias if dbias is not None else lse, locks_e, locks_c,
-            n_rows, V, D, e.stride(-1), c.stride(0), c.stride(1), dc.stride(0), _softcap_arg(softcap),
+            de, rows.de_offsets, dc, dbias if dbias is not None else lse, locks_e, locks_c,
+            n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), dc.stride(0), _softcap_arg(softcap),
             float(filter_eps) if filter_eps is not None else 0.0,
             BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
             GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,

@@ -31,7 +31,7 @@ class _Problem:
     pred_shape: torch.Size  # shape of the predicted targets (targets[..., shift:])
     valid_idx: torch.Tensor  # flat indices (into pred_shape) of rows that are not ignored
     rows: torch.Tensor  # row index of each valid row in e.reshape(-1, D)
-    row_off: torch.Tensor  # element offset of each valid row in e's storage (Triton path)
+    layout: kernels.RowLayout | None  # how the kernels address those rows (Triton path)
     targets: torch.Tensor  # target of each valid row (int64)
     return_lse: bool
 
@@ -155,14 +155,29 @@ def _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, retur
     if tgt.numel() and bool(((tgt < 0) | (tgt >= V)).any()):
         bad = tgt[(tgt < 0) | (tgt >= V)][0].item()
         raise ValueError(f"targets: value {bad} is outside [0, {V}) and is not ignore_index={ignore_index}")
-    # Row of each prediction in e.reshape(-1, D), and its element offset in e's own storage.
+    # Row of each prediction in e.reshape(-1, D).
     rows = _grid_offsets(pred_shape, _contiguous_strides(batch), dev)[valid_idx]
-    row_off = _grid_offsets(pred_shape, e.stride()[:-1], dev)[valid_idx] if impl == "triton" else rows
+    layout = _row_layout(e, pred_shape, valid_idx, rows) if impl == "triton" else None
     return _Problem(
         impl=impl, variants=kv, filter_eps=eps, softcap=float(softcap) if softcap is not None else None,
-        reduction=reduction, pred_shape=pred_shape, valid_idx=valid_idx, rows=rows, row_off=row_off,
+        reduction=reduction, pred_shape=pred_shape, valid_idx=valid_idx, rows=rows, layout=layout,
         targets=tgt, return_lse=return_lse,
     )
+
+
+def _row_layout(e, pred_shape, valid_idx, rows) -> kernels.RowLayout:
+    """Element offsets of the rows taking part, in e's storage and in a contiguous dE."""
+    D = e.shape[-1]
+    offsets = _grid_offsets(pred_shape, e.stride()[:-1], e.device)[valid_idx]
+    dense_stride = None
+    if valid_idx.numel() == pred_shape.numel() and pred_shape == e.shape[:-1]:
+        # No ignored rows and no shift: if the batch dims flatten to one stride, skip the table.
+        try:
+            dense_stride = e.view(-1, D).stride(0)
+        except RuntimeError:
+            pass
+    aligned = D % 8 == 0 and all(s % 8 == 0 for s in e.stride()[:-1]) and e.data_ptr() % 16 == 0
+    return kernels.RowLayout(offsets=offsets, de_offsets=rows * D, dense_stride=dense_stride, aligned=aligned)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -172,9 +187,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         perm = None
         if p.impl == "triton":
             kv = p.variants
-            zt = kernels.indexed_dot(e, c, bias, p.row_off, p.targets, p.softcap, kv.indexed_dot)
+            zt = kernels.indexed_dot(e, c, bias, p.layout, p.targets, p.softcap, kv.indexed_dot)
             sort = needs_grad and kv.backward.sort_vocab and p.filter_eps is not None and p.n_valid > 0
-            lse, vocab_sum = kernels.lse_forward(e, c, bias, p.row_off, p.softcap, kv.lse_forward, vocab_stats=sort)
+            lse, vocab_sum = kernels.lse_forward(e, c, bias, p.layout, p.softcap, kv.lse_forward, vocab_stats=sort)
             if sort:
                 perm = torch.argsort(vocab_sum, descending=True).to(torch.int32)
         else:
@@ -220,7 +235,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 target_pos = p.targets
             de, dc, dbias = kernels.backward(
-                e, c, bias, p.row_off, target_pos, lse_v, coef_s, coef_t, perm, p.rows * e.shape[-1],
+                e, c, bias, p.layout, target_pos, lse_v, coef_s, coef_t, perm,
                 p.softcap, p.filter_eps, p.variants.backward,
             )
         else:

@@ -208,7 +208,7 @@ class BackwardVariant(_TiledVariant):
     """
 
     kernel: ClassVar[str] = "backward"
-    filter_eps: float | None = 2.0**-12
+    filter_eps: float | None = 2.0**-16
     sort_vocab: bool = True
     accum: str = "fp32"
     num_locks: int = 64

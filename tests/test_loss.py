@@ -124,12 +124,11 @@ def test_all_targets_ignored(impl, reduction, device):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_non_contiguous_inputs(impl, device):
     g = torch.Generator().manual_seed(3)
-    base_e = torch.randn(40, 6, 24, generator=g)
+    base_e = torch.randn(40, 6, 24, generator=g).to(device)
     e = base_e.transpose(0, 1)[:, ::2, :]  # (6, 20, 24), non-contiguous batch strides
-    base_c = torch.randn(64, 48, generator=g)
+    base_c = torch.randn(64, 48, generator=g).to(device)
     c = base_c[:, ::2]  # (64, 24), D stride 2
-    t = torch.randint(0, 64, (20, 6), generator=g).T  # (6, 20) non-contiguous
-    e, c, t = e.to(device), c.to(device), t.to(device)
+    t = torch.randint(0, 64, (20, 6), generator=g).to(device).T  # (6, 20) non-contiguous
     assert not e.is_contiguous() and not c.is_contiguous() and not t.is_contiguous()
     out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, shift=1, impl=impl, variants=SMALL), e, c)
     ref, (re, rc) = grads_of(lambda e_, c_: torch_loss(e_, c_, t, shift=1), e.double(), c.double())
@@ -164,3 +163,21 @@ def test_nan_and_inf_propagate(value, impl, device):
     ref = torch_loss(e, c, t, reduction="none")
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
     assert torch.isfinite(out[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("case", ["dense", "gathered-aligned", "gathered-unaligned"])
+def test_row_layouts(case, device):
+    # The kernels address E densely (no ignored rows, no shift, flat batch), through an offset table
+    # with a 16-byte alignment hint, or through a plain table; all three must agree with the oracle.
+    from cce_autotune import loss as loss_mod
+
+    D = 45 if case == "gathered-unaligned" else 48
+    e, c, t, _ = make_inputs((4, 9), 130, D, torch.float32, device=device)
+    shift = 0 if case == "dense" else 1
+    p = loss_mod._prepare(e, c, t, None, -100, None, "mean", shift, False, "auto", "triton", SMALL)
+    assert (p.layout.dense_stride is not None) == (case == "dense")
+    assert p.layout.aligned == (case != "gathered-unaligned")
+    out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, shift=shift, impl="triton", variants=SMALL), e, c)
+    ref, (re, rc) = grads_of(lambda e_, c_: torch_loss(e_, c_, t, shift=shift), e.double(), c.double())
+    assert rel_err(out.detach(), ref.detach()) < 1e-5
+    assert rel_err(ge, re) < 1e-5 and rel_err(gc, rc) < 1e-5
