@@ -74,7 +74,7 @@ def _methods(include_peers: bool) -> list[Method]:
     ms = [
         Method("torch", lambda e, c, t: torch.nn.functional.cross_entropy((e @ c.T).float(), t)),
         Method("cce_autotune", lambda e, c, t: linear_cross_entropy(e, c, t)),
-        Method("cce_autotune_default", lambda e, c, t: linear_cross_entropy(e, c, t, variants=default_variants())),
+        Method("cce_autotune_default", lambda e, c, t: linear_cross_entropy(e, c, t, variants=default_variants(e.element_size()))),
         Method("cce_autotune_exact", lambda e, c, t: linear_cross_entropy(e, c, t, filter_eps=None)),
     ]
     if not include_peers:

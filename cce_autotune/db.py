@@ -8,8 +8,8 @@ One file per GPU slug::
     - key: {kernel: backward, dtype: bf16, B: 8192, V: 256128, D: 2304, has_bias: false, has_softcap: false}
       variant: {kernel: backward, num_warps: 8, num_stages: 3, block_b: 128, ...}   # variant.to_dict()
       timing_ms: {median: 20.1, p20: 20.0, p80: 20.3}
-      default_ms: {median: 25.4, p20: 25.3, p80: 25.6}   # the built-in default, same run
-      speedup: 1.264                                      # default median / tuned median
+      default_ms: {median: 25.4, p20: 25.3, p80: 25.6}   # the built-in default, same run (null: it failed)
+      speedup: 1.264                                      # default median / tuned median (informative)
       trials: 120
       device_name: NVIDIA H200
       versions: {torch: 2.13.0, triton: 3.9.0, cce_autotune: 0.1.0}
@@ -146,7 +146,7 @@ class Entry:
     key: EntryKey
     variant: _Variant
     timing_ms: dict  # {median, p20, p80}
-    default_ms: dict  # the built-in default's {median, p20, p80}, measured in the same run
+    default_ms: dict | None  # the built-in default's {median, p20, p80} in the same run (None: it failed)
     template_hash: str
     tuned_on: str  # ISO 8601
     versions: dict = field(default_factory=dict)  # {torch, triton, cce_autotune}
@@ -158,7 +158,10 @@ class Entry:
         return self.timing_ms["median"]
 
     @property
-    def speedup(self) -> float:
+    def speedup(self) -> float | None:
+        """Built-in default's median / this entry's median (None when the default could not run)."""
+        if not self.default_ms:
+            return None
         return self.default_ms["median"] / self.timing_ms["median"]
 
     def to_dict(self) -> dict:
@@ -166,11 +169,11 @@ class Entry:
             "key": self.key.to_dict(),
             "variant": self.variant.to_dict(),
             "timing_ms": dict(self.timing_ms),
-            "default_ms": dict(self.default_ms),
-            "speedup": round(self.speedup, 4),
+            "default_ms": dict(self.default_ms) if self.default_ms else None,
+            "speedup": round(self.speedup, 4) if self.default_ms else None,
             "trials": self.trials,
             "device_name": self.device_name,
-            "versions": dict(self.versions),
+            "versions": {str(k): str(v) for k, v in self.versions.items()},
             "template_hash": self.template_hash,
             "tuned_on": self.tuned_on,
         }
@@ -213,7 +216,7 @@ class Entry:
         return cls(
             key=key, variant=variant,
             timing_ms=_timing(data["timing_ms"], f"{where}.timing_ms"),
-            default_ms=_timing(data["default_ms"], f"{where}.default_ms"),
+            default_ms=_timing(data["default_ms"], f"{where}.default_ms") if data["default_ms"] is not None else None,
             template_hash=data["template_hash"], tuned_on=data["tuned_on"], versions=dict(versions),
             device_name=device_name, trials=trials,
         )

@@ -33,6 +33,12 @@ class RowLayout:
     dense_stride: int | None = None
     aligned: bool = False
 
+    @classmethod
+    def dense(cls, n: int, D: int, device) -> "RowLayout":
+        """Rows 0..n-1 of a contiguous (n, D) tensor."""
+        offsets = torch.arange(n, device=device, dtype=torch.int64) * D
+        return cls(offsets=offsets, de_offsets=offsets, dense_stride=D, aligned=D % 8 == 0)
+
     @property
     def n(self) -> int:
         return self.offsets.shape[0]

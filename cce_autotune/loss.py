@@ -118,11 +118,11 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def _resolve_variants(variants, e, c) -> KernelVariants:
+def _resolve_variants(variants, e, c, bias, softcap) -> KernelVariants:
     if variants is None:
         from .dispatch import select_variants
 
-        return select_variants(e, c)
+        return select_variants(e, c, has_bias=bias is not None, has_softcap=softcap is not None)
     if isinstance(variants, Mapping):
         try:
             variants = KernelVariants.from_dict(variants)
@@ -141,7 +141,7 @@ def _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, retur
     _check_inputs(e, c, targets, bias, ignore_index, softcap, reduction, shift, impl, filter_eps)
     impl = _resolve_impl(impl, e.device)
     # Explicit variants are always checked; the dispatcher is consulted only for the Triton path.
-    kv = _resolve_variants(variants, e, c) if impl == "triton" or variants is not None else KernelVariants()
+    kv = _resolve_variants(variants, e, c, bias, softcap) if impl == "triton" or variants is not None else KernelVariants()
     eps = kv.backward.filter_eps if filter_eps == "auto" else filter_eps
     dev = e.device
     D, V = e.shape[-1], c.shape[0]

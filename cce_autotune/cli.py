@@ -1,0 +1,320 @@
+"""``cce-tune``: tune kernels for this GPU, show the database, render a variant's source.
+
+    cce-tune --gpu h200 --vocab 256128 [--hidden 2304,3584] [--tokens 4096,8192,16384] [--dtype bf16]
+             [--kernels all] [--trials N] [--budget-minutes M] [--out DIR] [--dry-run]
+             [--max-grad-error 1e-2] [--storage URL] [--workers N] [--seed S]
+    cce-tune show [--gpu h200] [--vocab V --hidden D --tokens B --dtype bf16 [--bias] [--softcap]]
+    cce-tune render backward block_b=64 filter_eps=none [--dtype bf16] [--hidden D] [--bias] [--softcap]
+
+Argument parsing only: the work is done by :mod:`cce_autotune.tune`, :mod:`cce_autotune.db`,
+:mod:`cce_autotune.dispatch` and :mod:`cce_autotune.codegen`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .variant import KERNELS, VariantError
+
+__all__ = ["main", "build_parsers", "ENV_BACKEND"]
+
+ENV_BACKEND = "CCE_AUTOTUNE_BACKEND"  # "fake": run the whole loop on the CPU cost model (tests)
+_COMMANDS = ("tune", "show", "render")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _int_list(name: str):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected comma-separated integers, got {text!r}") from None
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"{name}: expected positive integers, got {text!r}")
+        return values
+
+    return parse
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected an integer, got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name}: must be positive, got {text!r}")
+        return v
+
+    return parse
+
+
+def _dtype_list(text: str) -> list[str]:
+    values = [x for x in text.replace(" ", "").split(",") if x]
+    bad = [v for v in values if v not in ("bf16", "fp16", "fp32")]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"--dtype: {text!r}: use bf16, fp16 or fp32 (comma-separated)")
+    return values
+
+
+def _kernel_list(text: str) -> list[str]:
+    if text == "all":
+        return list(KERNELS)
+    values = [x for x in text.replace(" ", "").split(",") if x]
+    bad = [v for v in values if v not in KERNELS]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"--kernels: {', '.join(bad) or text!r} not among {', '.join(KERNELS)} (or all)")
+    return values
+
+
+def _positive_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected a number, got {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{name}: must be positive, got {text!r}")
+        return v
+
+    return parse
+
+
+def _shape_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--vocab", type=_int_list("--vocab"), required=required, metavar="V[,V...]",
+                   help="vocabulary size(s)")
+    p.add_argument("--hidden", type=_int_list("--hidden"), metavar="D[,D...]",
+                   help="hidden size(s); default: the hidden sizes of known models with this vocabulary")
+    p.add_argument("--tokens", type=_int_list("--tokens"), default=[4096, 8192, 16384], metavar="B[,B...]",
+                   help="token counts, rounded to power-of-two buckets (default 4096,8192,16384)")
+    p.add_argument("--dtype", type=_dtype_list, default=["bf16"], help="bf16, fp16 and/or fp32 (default bf16)")
+    p.add_argument("--bias", action="store_true", help="tune/look up the variant with a bias")
+    p.add_argument("--softcap", action="store_true", help="tune/look up the variant with logit softcapping")
+
+
+def build_parsers() -> dict[str, argparse.ArgumentParser]:
+    tune = argparse.ArgumentParser(
+        prog="cce-tune",
+        description="Tune the Cut Cross-Entropy kernels for this GPU and shapes; winners go to <out>/<gpu>.yaml. "
+        "Other commands: `cce-tune show --help`, `cce-tune render --help`.",
+    )
+    tune.add_argument("--gpu", required=True, help="GPU slug or device name (must match the detected GPU), e.g. h200")
+    _shape_args(tune, required=True)
+    tune.add_argument("--kernels", type=_kernel_list, default=list(KERNELS),
+                      help=f"comma-separated among {', '.join(KERNELS)}, or all (default)")
+    tune.add_argument("--trials", type=_positive_int("--trials"), default=50, metavar="N",
+                      help="measured trials per study (default 50); a study resumes up to this count")
+    tune.add_argument("--budget-minutes", type=_positive_float("--budget-minutes"), metavar="M",
+                      help="wall-clock budget for the whole run, shared evenly by the studies")
+    tune.add_argument("--out", type=Path, metavar="DIR",
+                      help="where <gpu>.yaml is written (default: the user cache's tuned_configs/)")
+    tune.add_argument("--dry-run", action="store_true", help="print the plan and exit (needs no GPU)")
+    tune.add_argument("--max-grad-error", type=_positive_float("--max-grad-error"), default=1e-2,
+                      help="correctness gate: relative L2 error of dE, dC (and dbias) vs the exact result (default 1e-2)")
+    tune.add_argument("--max-value-error", type=_positive_float("--max-value-error"), default=1e-3,
+                      help="correctness gate for loss / lse / target logits (default 1e-3)")
+    tune.add_argument("--storage", metavar="URL",
+                      help="Optuna RDB storage URL shared by workers/machines (default: sqlite in the user cache)")
+    tune.add_argument("--workers", type=_positive_int("--workers"), default=1, metavar="N",
+                      help="worker processes, one per local GPU, sharing the studies (default 1)")
+    tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    tune.add_argument("--trial-time-limit", type=_positive_float("--trial-time-limit"), default=120.0, metavar="S",
+                      help="seconds one trial may take before it is recorded as failed (default 120)")
+    tune.add_argument("--top-k", type=_positive_int("--top-k"), default=3, metavar="K",
+                      help="best distinct variants re-timed interleaved before the winner is chosen (default 3)")
+    tune.add_argument("--backend", choices=("gpu", "fake"), default=None, help=argparse.SUPPRESS)
+
+    show = argparse.ArgumentParser(
+        prog="cce-tune show",
+        description="What the tuned-config database holds for a GPU, and (with --vocab/--hidden) which entry "
+        "each kernel would use for a shape, and why.",
+    )
+    show.add_argument("--gpu", help="GPU slug or device name (default: $CCE_AUTOTUNE_GPU or the detected GPU)")
+    _shape_args(show, required=False)
+
+    render = argparse.ArgumentParser(
+        prog="cce-tune render",
+        description="Print the Triton source of a kernel variant, e.g. `cce-tune render backward block_b=64 filter_eps=none`.",
+    )
+    render.add_argument("kernel", choices=list(KERNELS))
+    render.add_argument("knobs", nargs="*", metavar="knob=value", help="knobs to change from the built-in default")
+    render.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    render.add_argument("--hidden", type=int, metavar="D", help="hidden size (decides the unmasked EVEN_D path)")
+    render.add_argument("--bias", action="store_true")
+    render.add_argument("--softcap", action="store_true")
+    return {"tune": tune, "show": show, "render": render}
+
+
+def _single(values: list[int], name: str) -> int:
+    if len(values) != 1:
+        raise _UsageError(f"{name}: expected one value, got {values}")
+    return values[0]
+
+
+# -- tune --------------------------------------------------------------------------------------
+def _cmd_tune(args, out, err) -> int:
+    from . import db, dispatch, tune
+    from .paths import cache_dir
+
+    trials, workers, top_k = args.trials, args.workers, args.top_k
+    gpu = dispatch.resolve_gpu(args.gpu)
+    plan = tune.make_plan(
+        gpu, args.vocab, args.hidden, args.tokens, args.dtype, args.kernels,
+        flag_sets=[(args.bias, args.softcap)], trials=trials,
+        gate=tune.Gate(args.max_grad_error, args.max_value_error), budget_minutes=args.budget_minutes,
+    )
+    backend_name = args.backend or os.environ.get(ENV_BACKEND) or "gpu"
+    if args.dry_run:
+        out.write(tune.describe_plan(plan, dispatch.smem_limit_for(gpu), workers) + "\n")
+        return 0
+    try:
+        backend = tune.make_backend(backend_name)
+    except tune.NoGPUError as exc:
+        err.write(f"cce-tune: no GPU: {exc}. Tuning needs the GPU it tunes for; use --dry-run to see the plan.\n")
+        return 2
+    if workers > 1 and backend_name == "gpu":
+        import torch
+
+        if workers > torch.cuda.device_count():
+            err.write(f"cce-tune: --workers {workers}: only {torch.cuda.device_count()} GPU(s) visible\n")
+            return 2
+    detected_name = backend.device_name()
+    detected = dispatch.resolve_gpu(detected_name)
+    if detected != gpu:
+        err.write(f"cce-tune: --gpu {args.gpu} (slug {gpu!r}) does not match the detected GPU {detected_name!r} "
+                  f"(slug {detected!r}); tune on the GPU you name, or pass --gpu {detected}\n")
+        return 2
+    out_dir = args.out or (cache_dir() / "tuned_configs")
+    target = Path(out_dir) / f"{gpu}.yaml"
+    out.write(tune.describe_plan(plan, backend.smem_limit(), workers) + "\n")
+    storage = args.storage or tune.default_storage_url()
+    out.write(f"studies: {storage}\nresults: {target}\n")
+    out.flush()
+
+    def save(entry) -> None:
+        report = db.save_entries(target, [entry], gpu=gpu)
+        out.write(f"saved {entry.key.describe()} -> {target}: {report}\n")
+        out.flush()
+
+    try:
+        entries = tune.run_plan(
+            plan, backend, storage, backend_name=backend_name, workers=workers, seed=args.seed,
+            trial_time_limit=args.trial_time_limit, top_k=top_k, on_result=save, progress=err,
+        )
+    except KeyboardInterrupt:
+        err.write("\ncce-tune: interrupted; run the same command again to resume\n")
+        return 130
+    except tune.DeviceLost as exc:
+        err.write(f"\ncce-tune: {exc}\n")
+        return 3
+    dispatch.clear_cache()
+    out.write(f"done: {len(entries)} of {len(plan.studies)} studies produced a winner\n")
+    return 0 if entries or not plan.studies else 1
+
+
+# -- show --------------------------------------------------------------------------------------
+def _cmd_show(args, out, err) -> int:
+    from . import db, dispatch
+
+    gpu = dispatch.resolve_gpu(args.gpu) if args.gpu else dispatch.gpu_slug()
+    out.write(f"GPU slug: {gpu}\n")
+    found = False
+    for d in dispatch.config_search_path():
+        path = d / f"{gpu}.yaml"
+        if not path.is_file():
+            out.write(f"  {path}: (none)\n")
+            continue
+        found = True
+        cfg = db.load_file(path, expect_gpu=gpu)
+        out.write(f"  {path}: {len(cfg.entries)} entries\n")
+        for e in cfg.entries:
+            speed = f"{e.speedup:.2f}x default" if e.speedup else "default did not run"
+            out.write(f"    {e.key.describe():<60} {e.median_ms:9.4g} ms  {speed}  ({e.tuned_on})\n")
+    if not found:
+        out.write(f"no tuned configs for {gpu!r}; built-in defaults are used\n")
+    if args.vocab:
+        V = _single(args.vocab, "--vocab")
+        if not args.hidden:
+            raise _UsageError("--hidden: needed with --vocab to explain a lookup")
+        D = _single(args.hidden, "--hidden")
+        for B in args.tokens:
+            for dtype in args.dtype:
+                out.write("\n" + str(dispatch.explain(gpu, dtype, B, V, D, args.bias, args.softcap)) + "\n")
+    return 0
+
+
+# -- render ------------------------------------------------------------------------------------
+def _knob_value(text: str):
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    if low.startswith("2**") or low.startswith("2^"):
+        try:
+            return 2.0 ** float(low[3:] if low.startswith("2**") else low[2:])
+        except ValueError:
+            pass
+    return text
+
+
+def _cmd_render(args, out, err) -> int:
+    from .codegen import Flags, render_source
+
+    knobs = {}
+    for item in args.knobs:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise _UsageError(f"knob {item!r}: expected name=value, e.g. block_b=64")
+        knobs[name] = _knob_value(value)
+    cls = KERNELS[args.kernel]
+    try:
+        variant = cls.from_dict({**cls().to_dict(), **knobs})
+        variant.validate(elem_bytes=4 if args.dtype == "fp32" else 2, smem_limit=None)
+    except (VariantError, TypeError) as exc:
+        raise _UsageError(f"{args.kernel}: {exc}") from None
+    flags = Flags(
+        has_bias=args.bias, has_softcap=args.softcap,
+        even_d=bool(args.hidden and args.hidden % variant.block_d == 0),
+        ieee_dot=args.dtype == "fp32",
+    )
+    out.write(render_source(variant, flags))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``cce-tune``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in _COMMANDS else "tune"
+    if argv and argv[0] in _COMMANDS:
+        argv = argv[1:]
+    parser = build_parsers()[command]
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    handler = {"tune": _cmd_tune, "show": _cmd_show, "render": _cmd_render}[command]
+    try:
+        return handler(args, sys.stdout, sys.stderr)
+    except _UsageError as exc:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"{parser.prog}: error: {exc}\n")
+        return 2
+    except ValueError as exc:  # ConfigDBError, SpaceError, bad values: named, no traceback
+        sys.stderr.write(f"{parser.prog}: error: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""cce-tune: dry run, GPU checks, the whole loop on the fake backend, show, render, usage errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from conftest_tune import isolated  # noqa: F401
+
+from cce_autotune import cli, db, dispatch
+from cce_autotune.variant import KernelVariants
+
+
+def run(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_dry_run_prints_the_plan_without_a_gpu(isolated, capsys):
+    rc, out, err = run(capsys, "--gpu", "a100", "--vocab", "256128", "--tokens", "8192", "--dry-run")
+    assert rc == 0
+    assert "cce-tune plan for GPU a100 (shared memory per block 166912 bytes)" in out
+    assert "V=256128 is Gemma-2 2B / 9B, tuning D=2304, 3584" in out  # --hidden defaulted, and said so
+    for kernel in ("indexed_dot", "lse_forward", "backward"):
+        assert kernel in out
+    assert out.count("after rules, 50 trials") == 6
+    assert "6 studies (indexed_dot, lse_forward, backward), 300 trials" in out and "min" in out
+    assert not (isolated["cache"] / "tuned_configs").exists()  # nothing written
+
+
+def test_dry_run_budget_and_kernels(isolated, capsys):
+    rc, out, _ = run(capsys, "--gpu", "h200", "--vocab", "32000", "--hidden", "4096", "--tokens", "4096,8192",
+                     "--kernels", "backward", "--trials", "20", "--budget-minutes", "3", "--dry-run")
+    assert rc == 0
+    assert "2 studies (backward), 40 trials" in out and "capped by --budget-minutes 3" in out
+    assert "indexed_dot" not in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_without_gpu_and_without_dry_run_fails_clearly(isolated, capsys):
+    rc, out, err = run(capsys, "--gpu", "h200", "--vocab", "32000", "--hidden", "4096")
+    assert rc != 0
+    assert "no GPU" in err and "--dry-run" in err
+
+
+def test_gpu_mismatch_is_refused(isolated, capsys):
+    rc, out, err = run(capsys, "--gpu", "a100", "--vocab", "32000", "--hidden", "256", "--tokens", "512",
+                       "--backend", "fake")  # the fake device is an "NVIDIA H200"
+    assert rc == 2
+    assert "--gpu a100" in err and "'NVIDIA H200'" in err and "--gpu h200" in err
+    assert not (isolated["cache"] / "tuned_configs" / "a100.yaml").exists()
+
+
+def test_whole_loop_tune_show_dispatch(isolated, capsys, monkeypatch):
+    out_dir = isolated["tmp"] / "out"
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    argv = ["--gpu", "NVIDIA H200", "--vocab", "32000", "--hidden", "256", "--tokens", "512", "--trials", "6",
+            "--out", str(out_dir), "--kernels", "indexed_dot,lse_forward"]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    assert "done: 2 of 2 studies produced a winner" in out
+    assert "2/6 trials" not in err and "6/6 trials" in err  # progress line: trials done and best so far
+    assert "best" in err and "winner" in err
+    stored = db.load_file(out_dir / "h200.yaml", expect_gpu="h200")
+    assert {e.key.kernel for e in stored.entries} == {"indexed_dot", "lse_forward"}
+    assert (isolated["cache"] / "studies.db").exists()  # studies in the user cache by default
+
+    # the runtime dispatcher reads what cce-tune wrote (here through CCE_AUTOTUNE_CONFIG_DIR)
+    monkeypatch.setenv("CCE_AUTOTUNE_CONFIG_DIR", str(out_dir))
+    dispatch.clear_cache()
+    picked = dispatch.select("h200", "bf16", 512, 32000, 256, warn=False)
+    by_kernel = {e.key.kernel: e.variant for e in stored.entries}
+    assert picked.indexed_dot == by_kernel["indexed_dot"] and picked.lse_forward == by_kernel["lse_forward"]
+    assert picked.backward == KernelVariants().backward
+
+    rc, out, _ = run(capsys, "show", "--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "600")
+    assert rc == 0
+    assert f"{out_dir / 'h200.yaml'}: 2 entries" in out
+    assert "indexed_dot: exact match" in out and "backward: built-in default" in out
+    assert "cce-tune --gpu h200 --vocab 32000 --hidden 256 --tokens 512 --dtype bf16 --kernels backward" in out
+
+    # running it again resumes the finished studies: no new trials, the same winners
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0 and "trial budget reached" in err
+    assert "0 added" in out
+
+
+def test_two_workers_from_the_cli(isolated, capsys, monkeypatch):
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    rc, out, err = run(capsys, "--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512",
+                       "--trials", "6", "--kernels", "indexed_dot", "--workers", "2",
+                       "--storage", f"sqlite:///{isolated['tmp'] / 'shared.db'}")
+    assert rc == 0, err
+    assert (isolated["tmp"] / "shared.db").exists()
+    assert len(db.load_file(isolated["cache"] / "tuned_configs" / "h200.yaml").entries) == 1
+
+
+def test_show_without_configs_and_with_a_broken_file(isolated, capsys):
+    rc, out, _ = run(capsys, "show", "--gpu", "a100")
+    assert rc == 0 and "no tuned configs for 'a100'" in out
+    bad = isolated["config"] / "a100.yaml"
+    bad.write_text(yaml.safe_dump({"schema_version": 3, "gpu": "a100", "entries": []}))
+    rc, _, err = run(capsys, "show", "--gpu", "a100")
+    assert rc == 1 and str(bad) in err and "schema_version 3" in err
+
+
+def test_render_prints_the_variant_source(capsys):
+    rc, out, _ = run(capsys, "render", "backward", "block_b=64", "filter_eps=none", "num_stages=2")
+    assert rc == 0
+    assert "def cce_backward_kernel(" in out
+    assert "BLOCK_B=64" in out and "FILTER_EPS=None" in out and "NUM_STAGES=2" in out
+    rc, out, _ = run(capsys, "render", "lse_forward", "merge=lock", "--bias", "--softcap")
+    assert rc == 0 and "MERGE=lock" in out and "HAS_BIAS=True" in out and "HAS_SOFTCAP=True" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["render", "backward", "block_b=48"], "block_b=48: must be a power of two"),
+        (["render", "backward", "warps=4"], "unknown knob(s) ['warps']"),
+        (["render", "backward", "block_b"], "expected name=value"),
+        (["--gpu", "h200", "--vocab", "32000", "--dtype", "fp8", "--dry-run"], "--dtype"),
+        (["--gpu", "h200", "--vocab", "32000", "--kernels", "forward", "--dry-run"], "--kernels"),
+        (["--gpu", "h200", "--vocab", "-5", "--dry-run"], "--vocab"),
+        (["--vocab", "32000", "--dry-run"], "--gpu"),
+    ],
+)
+def test_usage_errors_name_the_argument(capsys, argv, message):
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2
+    assert message in err

@@ -1,0 +1,135 @@
+"""The YAML database: schema, validation errors naming the file, merge rules, atomic locked saves,
+concurrent writers, and the GPU alias table."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import yaml
+from conftest_tune import isolated, make_entry  # noqa: F401
+
+from cce_autotune import db
+
+
+def test_save_load_roundtrip(tmp_path):
+    path = tmp_path / "h200.yaml"
+    entries = [
+        make_entry("backward", B=8192, block_b=64, filter_eps=None, sort_vocab=False),
+        make_entry("lse_forward", B=4096, merge="lock", num_locks=16),
+        make_entry("indexed_dot", dtype="fp32", has_bias=True, block_d=256),
+    ]
+    report = db.save_entries(path, entries)
+    assert len(report.added) == 3 and not report.replaced
+    text = path.read_text()
+    assert yaml.safe_load(text)["schema_version"] == 1
+    loaded = db.load_file(path, expect_gpu="h200")
+    assert loaded.gpu == "h200"
+    assert {e.key: e for e in loaded.entries} == {e.key: e for e in entries}
+    bwd = loaded.by_key()[entries[0].key]
+    assert bwd.variant.filter_eps is None and bwd.variant.block_b == 64
+    assert bwd.speedup == pytest.approx(1.5)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # no temp file left
+
+
+def test_faster_replaces_slower_is_kept(tmp_path):
+    path = tmp_path / "a100.yaml"
+    db.save_entries(path, [make_entry(median=2.0, block_b=64)])
+    report = db.save_entries(path, [make_entry(median=3.0, block_b=32)])
+    assert report.kept and not report.replaced
+    assert db.load_file(path).entries[0].variant.block_b == 64
+    report = db.save_entries(path, [make_entry(median=1.0, block_b=16)])
+    assert report.replaced
+    [entry] = db.load_file(path).entries
+    assert entry.variant.block_b == 16 and entry.median_ms == 1.0
+
+
+def _valid_doc():
+    return {"schema_version": 1, "gpu": "h200", "entries": [make_entry().to_dict()]}
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(schema_version=2), "schema_version 2 is not supported"),
+        (lambda d: d.pop("schema_version"), "missing schema_version"),
+        (lambda d: d.update(gpu="a100"), "file is for 'a100'"),
+        (lambda d: d["entries"][0]["variant"].update(block_b=48), "entries[0].variant: block_b=48"),
+        (lambda d: d["entries"][0]["variant"].update(warp_size=4), "unknown knob(s) ['warp_size']"),
+        (lambda d: d["entries"][0]["key"].update(dtype="fp8"), "entries[0].key.dtype"),
+        (lambda d: d["entries"][0]["key"].pop("V"), "missing ['V']"),
+        (lambda d: d["entries"][0]["timing_ms"].update(median=-1), "entries[0].timing_ms.median"),
+        (lambda d: d["entries"].append(d["entries"][0]), "appears twice"),
+        (lambda d: d.update(extra=1), "unknown top-level key(s) ['extra']"),
+    ],
+)
+def test_bad_file_names_file_and_problem(tmp_path, mutate, message):
+    doc = _valid_doc()
+    mutate(doc)
+    path = tmp_path / "h200.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(db.ConfigDBError) as err:
+        db.load_file(path, expect_gpu="h200")
+    assert err.value.path == str(path)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_corrupted_yaml_is_refused_and_never_overwritten(tmp_path):
+    path = tmp_path / "h200.yaml"
+    path.write_text("schema_version: 1\nentries: [ {key: \n")  # truncated
+    with pytest.raises(db.ConfigDBError, match="not valid YAML") as err:
+        db.load_file(path)
+    assert str(path) in str(err.value)
+    with pytest.raises(db.ConfigDBError):
+        db.save_entries(path, [make_entry()])
+    assert path.read_text().startswith("schema_version: 1\nentries: [ {key:")
+
+
+def _writer(path: str, base: int, n: int) -> None:
+    for i in range(n):
+        db.save_entries(path, [make_entry(B=base + i, median=1.0)])
+
+
+def test_two_processes_writing_one_file_lose_nothing(tmp_path):
+    path = tmp_path / "h200.yaml"
+    n = 12
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    procs = [ctx.Process(target=_writer, args=(str(path), base, n)) for base in (1000, 2000)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    keys = {e.key.B for e in db.load_file(path).entries}
+    assert keys == set(range(1000, 1000 + n)) | set(range(2000, 2000 + n))
+    assert sorted(os.listdir(tmp_path)) == ["h200.yaml", "h200.yaml.lock"]
+
+
+def test_alias_table_exact_then_substring_then_slug():
+    table = db.load_aliases([db.Path(__file__).resolve().parents[1] / "tuned_configs" / "aliases.yaml"])
+    assert table.resolve("NVIDIA H200") == "h200"
+    assert table.resolve("NVIDIA H100 80GB HBM3") == "h100"
+    assert table.resolve("NVIDIA A100-SXM4-80GB") == "a100"
+    assert table.resolve("nvidia a100 custom board") == "a100"  # case-insensitive substring rule
+    assert table.resolve("NVIDIA GH200 96GB HBM3") == "gh200"  # the more specific rule comes first
+    assert table.resolve("h200") == "h200"  # a slug is itself
+    assert table.resolve("NVIDIA GeForce RTX 5090") == "geforce-rtx-5090"  # unknown: slugified
+    assert table.shared_memory["a100"] == 166912
+
+
+def test_earlier_alias_file_wins(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("schema_version: 1\nexact: {NVIDIA H200: my-h200}\ncontains: [{match: mystery, slug: myst}]\n")
+    table = db.load_aliases([mine, db.Path(__file__).resolve().parents[1] / "tuned_configs" / "aliases.yaml"])
+    assert table.resolve("NVIDIA H200") == "my-h200"
+    assert table.resolve("Mystery Accelerator") == "myst"
+    assert table.resolve("NVIDIA A100-SXM4-80GB") == "a100"
+
+
+def test_bad_alias_file_names_it(tmp_path):
+    bad = tmp_path / "aliases.yaml"
+    bad.write_text("schema_version: 1\ncontains: [{match: h200}]\n")
+    with pytest.raises(db.ConfigDBError, match=r"contains\[0\]") as err:
+        db.load_aliases([bad])
+    assert str(bad) in str(err.value)

@@ -1,0 +1,177 @@
+"""The dispatcher: GPU slug, search path, nearest bucket, device re-validation, one warning,
+cached lookups, explain(), and a runtime path that never imports optuna."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest_tune import isolated, make_entry  # noqa: F401
+
+from cce_autotune import db, dispatch
+from cce_autotune.variant import KernelVariants
+
+
+def _tensors(B=8192, V=32000, D=4096, dtype=torch.bfloat16):
+    # select_variants only reads shapes, dtype and device: expand() keeps these tiny in memory
+    return torch.zeros((), dtype=dtype).expand(B, D), torch.zeros((), dtype=dtype).expand(V, D)
+
+
+def _select(**kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        variants = dispatch.select_variants(*_tensors(**kw))
+    return variants, [w for w in caught if issubclass(w.category, dispatch.TunedConfigWarning)]
+
+
+def test_cpu_tensors_give_defaults_quietly(isolated):
+    variants, warned = _select()
+    assert variants == KernelVariants() and warned == []
+
+
+def test_unknown_gpu_default_and_exactly_one_warning(isolated, monkeypatch):
+    monkeypatch.setenv("CCE_AUTOTUNE_GPU", "Mystery GPU 9000")
+    v1, w1 = _select(B=4096)
+    v2, w2 = _select(B=16384, V=128256)  # another shape: still no second warning
+    v3, w3 = _select(B=4096)
+    assert v1 == v2 == v3 == KernelVariants()
+    assert len(w1) == 1 and w2 == [] and w3 == []
+    msg = str(w1[0].message)
+    assert "cce-tune --gpu mystery-gpu-9000 --vocab 32000 --hidden 4096 --tokens 4096 --dtype bf16" in msg
+
+
+def test_tuned_entry_is_used_and_flags_dtype_match_exactly(isolated, monkeypatch):
+    db.save_entries(isolated["config"] / "h200.yaml", [
+        make_entry("backward", B=8192, V=32000, D=4096, block_b=64),
+        make_entry("lse_forward", B=8192, V=32000, D=4096, num_splits=64),
+        make_entry("indexed_dot", B=8192, V=32000, D=4096, block_b=16),
+        make_entry("backward", B=8192, V=32000, D=4096, has_softcap=True, block_b=32),
+    ])
+    monkeypatch.setenv("CCE_AUTOTUNE_GPU", "NVIDIA H200")  # a device name resolves through the aliases
+    variants, warned = _select()
+    assert warned == []
+    assert (variants.backward.block_b, variants.lse_forward.num_splits, variants.indexed_dot.block_b) == (64, 64, 16)
+    soft = dispatch.select("h200", torch.bfloat16, 8192, 32000, 4096, has_softcap=True, warn=False)
+    assert soft.backward.block_b == 32 and soft.lse_forward == KernelVariants().lse_forward
+    fp16 = dispatch.select("h200", torch.float16, 8192, 32000, 4096, warn=False)
+    assert fp16 == KernelVariants()  # dtype must match exactly
+
+
+def test_nearest_bucket_by_log_distance(isolated):
+    db.save_entries(isolated["config"] / "h200.yaml", [
+        make_entry("backward", B=4096, V=32000, D=4096, block_b=32),
+        make_entry("backward", B=16384, V=32000, D=4096, block_b=128),
+        make_entry("backward", B=8192, V=256128, D=2304, block_b=16),
+    ])
+    pick = lambda B, V=32000, D=4096: dispatch.select("h200", "bf16", B, V, D, warn=False).backward.block_b  # noqa: E731
+    assert pick(4096) == 32
+    assert pick(5000) == 32  # bucket 4096
+    assert pick(12000) == 128  # bucket 16384 (log2 distance 0 vs 2)
+    assert pick(1_000_000) == 128
+    assert pick(8192, V=200000, D=2048) == 16  # V and D count too
+    ex = dispatch.explain("h200", "bf16", 5000, 32000, 4096)
+    assert ex.choices["backward"].entry.key.B == 4096
+    assert "exact match" in ex.choices["backward"].reason
+    ex = dispatch.explain("h200", "bf16", 8192, 32000, 4096)
+    assert "nearest tuned shape (log2 distance 1.00)" in ex.choices["backward"].reason
+    assert str(isolated["config"] / "h200.yaml") in str(ex)
+    assert "cce-tune --gpu h200" in str(ex) and "--kernels indexed_dot,lse_forward" in str(ex)
+
+
+def test_entry_too_big_for_the_device_is_skipped(isolated):
+    big = dict(block_b=256, block_v=256, block_d=128, num_stages=2, num_warps=16)
+    db.save_entries(isolated["config"] / "a100.yaml", [
+        make_entry("lse_forward", B=8192, **big),
+        make_entry("lse_forward", B=4096, num_splits=8),
+    ])
+    need = KernelVariants().lse_forward.replace(**big).smem_bytes(2)
+    roomy = dispatch.select("a100", "bf16", 8192, 32000, 4096, smem_limit=need, warn=False)
+    assert roomy.lse_forward.block_b == 256
+    tight = dispatch.select("a100", "bf16", 8192, 32000, 4096, smem_limit=need - 1, warn=False)
+    assert tight.lse_forward.num_splits == 8  # the next nearest entry that fits
+    ex = dispatch.explain("a100", "bf16", 8192, 32000, 4096, smem_limit=need - 1)
+    assert "skipped" in str(ex) and "shared memory" in str(ex)
+
+
+def test_search_path_order_env_then_cache_then_package(isolated, monkeypatch):
+    cache_configs = isolated["cache"] / "tuned_configs"
+    db.save_entries(cache_configs / "h200.yaml", [make_entry(block_b=32), make_entry(B=4096, block_b=128)])
+    db.save_entries(isolated["config"] / "h200.yaml", [make_entry(block_b=64)])  # same key as the first
+    path = dispatch.config_search_path()
+    assert path[:2] == [isolated["config"], cache_configs] and path[2].name == "tuned_configs"
+    assert dispatch.select("h200", "bf16", 8192, 32000, 4096, warn=False).backward.block_b == 64
+    assert dispatch.select("h200", "bf16", 4096, 32000, 4096, warn=False).backward.block_b == 128
+
+
+def test_lookups_are_cached(isolated, monkeypatch):
+    db.save_entries(isolated["config"] / "h200.yaml", [make_entry(block_b=64)])
+    monkeypatch.setenv("CCE_AUTOTUNE_GPU", "h200")
+    calls = {"load": 0, "yaml": 0}
+    real_load, real_yaml = db.load_file, db.yaml.safe_load
+
+    def counting_load(*a, **k):
+        calls["load"] += 1
+        return real_load(*a, **k)
+
+    def counting_yaml(*a, **k):
+        calls["yaml"] += 1
+        return real_yaml(*a, **k)
+
+    monkeypatch.setattr(db, "load_file", counting_load)
+    monkeypatch.setattr(db.yaml, "safe_load", counting_yaml)
+    first, _ = _select()
+    after_first = dict(calls)
+    assert after_first["load"] == 1 and after_first["yaml"] >= 1
+    for _ in range(5):
+        again, _ = _select()
+        assert again == first and again.backward.block_b == 64
+    _select(B=4096)  # another key, same GPU: the parsed file is reused too
+    assert calls == after_first
+
+
+def test_corrupted_config_raises_naming_the_file(isolated):
+    bad = isolated["config"] / "h200.yaml"
+    bad.write_text("schema_version: 7\ngpu: h200\nentries: []\n")
+    with pytest.raises(db.ConfigDBError, match="schema_version 7") as err:
+        dispatch.select("h200", "bf16", 8192, 32000, 4096)
+    assert str(bad) in str(err.value)
+
+
+def test_gpu_slug_and_helpers(isolated, monkeypatch):
+    assert dispatch.gpu_slug(torch.device("cpu")) == "cpu"
+    monkeypatch.setenv("CCE_AUTOTUNE_GPU", "NVIDIA A100-SXM4-80GB")
+    assert dispatch.gpu_slug(torch.device("cpu")) == "a100"
+    assert dispatch.dtype_name(torch.bfloat16) == "bf16" and dispatch.dtype_name("fp32") == "fp32"
+    assert [dispatch.b_bucket(b) for b in (1, 3000, 4096, 6000, 12000)] == [1, 4096, 4096, 8192, 16384]
+    assert dispatch.smem_limit_for("a100") == 166912 and dispatch.smem_limit_for("cpu") is None
+
+
+def test_runtime_path_never_imports_optuna(isolated):
+    code = (
+        "import sys, torch\n"
+        "from cce_autotune import linear_cross_entropy, dispatch\n"
+        "e = torch.randn(8, 16); c = torch.randn(32, 16); t = torch.randint(0, 32, (8,))\n"
+        "linear_cross_entropy(e, c, t).item()\n"
+        "import os; os.environ['CCE_AUTOTUNE_GPU'] = 'h200'\n"
+        "dispatch.select_variants(e, c); dispatch.explain('h200', 'bf16', 8, 32, 16)\n"
+        "assert 'optuna' not in sys.modules, 'optuna imported'\n"
+        "assert 'cce_autotune.tune' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_device_is_looked_up(isolated):
+    slug = dispatch.gpu_slug()
+    assert slug != "cpu"
+    e, c = torch.zeros(64, 128, device="cuda", dtype=torch.bfloat16), torch.zeros(256, 128, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dispatch.select_variants(e, c)
+    assert sum(issubclass(w.category, dispatch.TunedConfigWarning) for w in caught) <= 1
