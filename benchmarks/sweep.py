@@ -30,8 +30,7 @@ FW = [
 BW = [
     dict(block_b=128, block_v=128, block_d=64, num_warps=8, num_stages=3),
     dict(block_b=64, block_v=128, block_d=64, num_warps=4, num_stages=3),
-    dict(block_b=128, block_v=256, block_d=64, num_warps=8, num_stages=3),
-    dict(block_b=64, block_v=256, block_d=64, num_warps=8, num_stages=3),
+    dict(block_b=128, block_v=256, block_d=64, num_warps=8, num_stages=2),
     dict(block_b=128, block_v=128, block_d=64, num_warps=8, num_stages=3, accum="native"),
 ]
 
