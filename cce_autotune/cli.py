@@ -284,6 +284,8 @@ def _cmd_render(args, out, err) -> int:
         variant.validate(elem_bytes=4 if args.dtype == "fp32" else 2, smem_limit=None)
     except (VariantError, TypeError) as exc:
         raise _UsageError(f"{args.kernel}: {exc}") from None
+    if hasattr(variant, "resolved"):  # the backward's strategy="auto" is decided by filter_eps
+        variant = variant.resolved(variant.filter_eps)
     flags = Flags(
         has_bias=args.bias, has_softcap=args.softcap,
         even_d=bool(args.hidden and args.hidden % variant.block_d == 0),

@@ -30,11 +30,11 @@ from .variant import KERNELS, _Variant
 
 __all__ = ["Flags", "render_source", "load_kernel", "template_hash", "interpreting"]
 
-TEMPLATE_FILES = {name: f"{name}.py.j2" for name in KERNELS}
-KERNEL_FUNCTIONS = {
-    "indexed_dot": "cce_indexed_dot_kernel",
-    "lse_forward": "cce_lse_forward_kernel",
-    "backward": "cce_backward_kernel",
+# Every template a kernel's variants may render (the backward has two strategies).
+TEMPLATE_FILES = {
+    "indexed_dot": ("indexed_dot.py.j2",),
+    "lse_forward": ("lse_forward.py.j2",),
+    "backward": ("backward.py.j2", "backward_chunked.py.j2"),
 }
 
 
@@ -84,7 +84,7 @@ def template_hash(kernel: str) -> str:
     """Hash of a kernel's template and the shared macros: changes whenever the generated code may."""
     h = hashlib.sha256()
     tdir = resource_dir("templates")
-    for name in sorted({TEMPLATE_FILES[kernel], "_common.j2"}):
+    for name in sorted({*TEMPLATE_FILES[kernel], "_common.j2"}):
         h.update(name.encode())
         h.update((tdir / name).read_bytes())
     return h.hexdigest()[:16]
@@ -96,7 +96,7 @@ def _context(variant: _Variant, flags: Flags) -> dict:
     # line shows them and templates may branch on them.
     ctx: dict[str, Any] = {**knobs, **flags.template_flags()}
     ctx["FILTER"] = knobs.get("FILTER_EPS") is not None
-    ctx["TEMPLATE"] = TEMPLATE_FILES[variant.kernel]
+    ctx["TEMPLATE"] = variant.template
     ctx["KNOB_SUMMARY"] = ", ".join(f"{k}={v}" for k, v in sorted(knobs.items()))
     ctx["FLAG_SUMMARY"] = ", ".join(f"{k}={v}" for k, v in sorted(flags.template_flags().items()))
     return ctx
@@ -106,7 +106,9 @@ def render_source(variant: _Variant, flags: Flags = Flags()) -> str:
     """The Triton source of ``variant`` with ``flags``: what :func:`load_kernel` compiles."""
     if variant.kernel not in TEMPLATE_FILES:
         raise ValueError(f"variant: unknown kernel {variant.kernel!r}")
-    template = _env().get_template(TEMPLATE_FILES[variant.kernel])
+    if getattr(variant, "strategy", None) == "auto":
+        raise ValueError("variant: strategy 'auto' is decided at launch (BackwardVariant.resolved); render a concrete one")
+    template = _env().get_template(variant.template)
     return template.render(**_context(variant, flags))
 
 
@@ -146,7 +148,7 @@ def load_kernel(variant: _Variant, flags: Flags = Flags()):
             if mod is None:
                 mod = _import(variant, flags)
                 _modules[key] = mod
-    return getattr(mod, KERNEL_FUNCTIONS[variant.kernel])
+    return getattr(mod, variant.kernel_function)
 
 
 def _import(variant: _Variant, flags: Flags) -> ModuleType:

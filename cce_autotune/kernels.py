@@ -134,6 +134,9 @@ def backward(
     ``softmax * coef_s[i] - onehot * coef_t[i]`` (times the softcap derivative).
     ``filter_eps=None``: exact.
     """
+    variant = variant.resolved(filter_eps)
+    if variant.strategy == "chunked":
+        return _backward_chunked(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant)
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
@@ -161,6 +164,57 @@ def backward(
     if not native:
         de = de.to(e.dtype)
         dc = dc.to(c.dtype)
+    if dbias is not None:
+        dbias = dbias.to(bias.dtype)
+    return de, dc, dbias
+
+
+def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps,
+                      variant: BackwardVariant):
+    """The ``strategy="chunked"`` backward: per vocabulary chunk, a kernel writes g to a buffer of
+    (rows x chunk_v) and cuBLAS forms dC[chunk] = g^T E and dE += g C[chunk] (fp32)."""
+    n_rows, D = rows.n, e.shape[-1]
+    V = c.shape[0]
+    dev = e.device
+    de32 = torch.zeros((n_rows, D), dtype=torch.float32, device=dev)
+    dc = torch.zeros(c.shape, dtype=c.dtype, device=dev)
+    dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+    if n_rows > 0:
+        variant = variant.replace(filter_eps=filter_eps, sort_vocab=perm is not None)
+        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows))
+        # The rows taking part, as a (n_rows, D) matrix for cuBLAS (a view when they are dense).
+        row_idx = rows.de_offsets // D
+        e2 = e.reshape(-1, D)
+        e_rows = e2 if rows.dense_stride is not None and e2.shape[0] == n_rows else e2[row_idx]
+        width = min(variant.chunk_v, V)
+        g_buf = torch.empty((n_rows, width), dtype=e.dtype, device=dev)
+        n_chunks = triton.cdiv(V, width)
+        chunk_max = torch.zeros(n_chunks, dtype=torch.float32, device=dev)
+        for k in range(n_chunks):
+            lo = k * width
+            w = min(width, V - lo)
+            grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(w, variant.block_v),)
+            kernel[grid](
+                e, c, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
+                perm if perm is not None else target_pos, g_buf, dbias if dbias is not None else lse,
+                chunk_max[k:],
+                n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), g_buf.stride(0),
+                _softcap_arg(softcap), lo, w,
+                BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+                GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages,
+            )
+            if filter_eps is not None and float(chunk_max[k]) < filter_eps:
+                continue  # every softmax value of the chunk is negligible and it holds no target
+            g = g_buf[:, :w]
+            if perm is not None:
+                cols = perm[lo : lo + w].long()
+                dc.index_copy_(0, cols, (g.T @ e_rows).to(c.dtype))
+                de32 += g @ c[cols]
+            else:
+                dc[lo : lo + w] = g.T @ e_rows
+                de32 += g @ c[lo : lo + w]
+    de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
+    de.view(-1, D).index_copy_(0, rows.de_offsets // D, de32.to(e.dtype))
     if dbias is not None:
         dbias = dbias.to(bias.dtype)
     return de, dc, dbias

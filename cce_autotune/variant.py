@@ -112,6 +112,16 @@ class _Variant:
     def replace(self, **changes: Any) -> "_Variant":
         return dataclasses.replace(self, **changes)
 
+    @property
+    def template(self) -> str:
+        """The Jinja2 template this variant renders."""
+        return f"{self.kernel}.py.j2"
+
+    @property
+    def kernel_function(self) -> str:
+        """Name of the @triton.jit function in the rendered module."""
+        return f"cce_{self.kernel}_kernel"
+
     def template_knobs(self) -> dict:
         """The knobs as the templates see them (upper-case names)."""
         return {k.upper(): v for k, v in dataclasses.asdict(self).items()}
@@ -205,6 +215,12 @@ class BackwardVariant(_TiledVariant):
       input dtype, read-modify-write under spin locks (no extra memory, one rounding per tile).
     - ``num_locks``: lock pool for the native accumulation (dE row block b takes lock
       ``b % num_locks``, dC vocab tile v takes lock ``v % num_locks`` of a second pool).
+    - ``strategy``: ``"tiles"`` is the kernel above; ``"chunked"`` walks the vocabulary in chunks
+      of ``chunk_v`` columns: a kernel writes the chunk's gradient g (rows x chunk_v, input dtype)
+      to a small buffer and two cuBLAS products form dC[chunk] = g^T E (one rounding) and
+      dE += g C[chunk] (fp32 accumulation): no atomics, at the price of that buffer and an fp32
+      dE. With filtering, chunks whose softmax stays below filter_eps skip the products.
+      ``"auto"``: chunked for exact gradients (where tiles would all be live), tiles otherwise.
     """
 
     kernel: ClassVar[str] = "backward"
@@ -212,6 +228,22 @@ class BackwardVariant(_TiledVariant):
     sort_vocab: bool = True
     accum: str = "fp32"
     num_locks: int = 64
+    strategy: str = "auto"
+    chunk_v: int = 1024
+
+    @property
+    def template(self) -> str:
+        return "backward_chunked.py.j2" if self.strategy == "chunked" else "backward.py.j2"
+
+    @property
+    def kernel_function(self) -> str:
+        return "cce_grad_chunk_kernel" if self.strategy == "chunked" else "cce_backward_kernel"
+
+    def resolved(self, filter_eps: float | None) -> "BackwardVariant":
+        """This variant with ``strategy="auto"`` decided for ``filter_eps``."""
+        if self.strategy != "auto":
+            return self
+        return self.replace(strategy="chunked" if filter_eps is None else "tiles")
 
     def _validate_own(self) -> None:
         super()._validate_own()
@@ -224,6 +256,8 @@ class BackwardVariant(_TiledVariant):
             raise VariantError(f"sort_vocab={self.sort_vocab!r}: must be true or false")
         _check_choice("accum", self.accum, ("fp32", "native"))
         _check_pow2("num_locks", self.num_locks, 1, 4096)
+        _check_choice("strategy", self.strategy, ("auto", "tiles", "chunked"))
+        _check_pow2("chunk_v", self.chunk_v, 16, 65536)
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         recompute = super().smem_bytes(elem_bytes)

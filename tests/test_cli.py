@@ -106,10 +106,13 @@ def test_show_without_configs_and_with_a_broken_file(isolated, capsys):
 
 
 def test_render_prints_the_variant_source(capsys):
-    rc, out, _ = run(capsys, "render", "backward", "block_b=64", "filter_eps=none", "num_stages=2")
+    rc, out, _ = run(capsys, "render", "backward", "block_b=64", "filter_eps=none", "num_stages=2", "strategy=tiles")
     assert rc == 0
     assert "def cce_backward_kernel(" in out
     assert "BLOCK_B=64" in out and "FILTER_EPS=None" in out and "NUM_STAGES=2" in out
+    # strategy=auto (the default) is decided by filter_eps: exact gradients take the chunked kernel
+    rc, out, _ = run(capsys, "render", "backward", "filter_eps=none")
+    assert rc == 0 and "def cce_grad_chunk_kernel(" in out and "STRATEGY=chunked" in out
     rc, out, _ = run(capsys, "render", "lse_forward", "merge=lock", "--bias", "--softcap")
     assert rc == 0 and "MERGE=lock" in out and "HAS_BIAS=True" in out and "HAS_SOFTCAP=True" in out
 

@@ -174,3 +174,27 @@ def test_every_search_space_value_passes_the_oracle(kernel, device):
             res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
             res.pop("dbias")
         assert_within(res), v
+
+
+@pytest.mark.parametrize("chunk_v", [64, 128, 1024])
+@pytest.mark.parametrize("sort_vocab, eps", [(False, None), (True, 2.0**-6), (False, 2.0**-12)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_chunked_strategy(chunk_v, sort_vocab, eps, dtype, device):
+    # The chunked strategy (g buffer + cuBLAS products) with several chunks (V=301), ignored rows,
+    # shift, bias and softcap; filtered runs stay within the filter bound.
+    v = BackwardVariant(block_b=16, block_v=32, block_d=16, strategy="chunked", chunk_v=chunk_v,
+                        sort_vocab=sort_vocab, filter_eps=eps)
+    res, (e, c, t, b) = run_case((37,), 301, 45, dtype, variants=SMALL.replace(backward=v), bias=True,
+                                 softcap=9.0, peaked=1.5, ignore=0.1, filter_eps="auto", device=device)
+    if eps is not None:
+        bound_de, bound_dc = filtered_bound(e, c, t, b, eps)
+        res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
+        res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
+        res.pop("dbias")
+    assert_within(res)
+
+
+def test_auto_strategy_is_chunked_when_exact_and_tiles_when_filtering():
+    v = BackwardVariant()
+    assert v.resolved(None).strategy == "chunked" and v.resolved(2.0**-16).strategy == "tiles"
+    assert BackwardVariant(strategy="tiles").resolved(None).strategy == "tiles"
