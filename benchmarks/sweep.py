@@ -28,10 +28,12 @@ FW = [
     dict(block_b=128, block_v=256, block_d=64, num_warps=8, num_stages=3, num_splits=4),
 ]
 BW = [
-    dict(block_b=128, block_v=128, block_d=64, num_warps=8, num_stages=3),
-    dict(block_b=64, block_v=128, block_d=64, num_warps=4, num_stages=3),
-    dict(block_b=128, block_v=256, block_d=64, num_warps=8, num_stages=2),
-    dict(block_b=128, block_v=128, block_d=64, num_warps=8, num_stages=3, accum="native"),
+    dict(block_b=128, block_v=128, block_d=64, num_warps=8, num_stages=3, strategy="tiles"),
+    dict(block_b=256, block_v=128, block_d=32, num_warps=8, num_stages=2, strategy="tiles"),
+    dict(block_b=128, block_v=128, block_d=64, num_warps=8, num_stages=3, strategy="chunked", chunk_v=1024),
+    dict(block_b=128, block_v=256, block_d=64, num_warps=8, num_stages=3, strategy="chunked", chunk_v=4096),
+    dict(block_b=128, block_v=128, block_d=64, num_warps=8, num_stages=3, strategy="chunked", chunk_v=1024, filter_eps=None),
+    dict(block_b=128, block_v=256, block_d=64, num_warps=8, num_stages=3, strategy="chunked", chunk_v=4096, filter_eps=None),
 ]
 
 
