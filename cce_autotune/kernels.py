@@ -169,6 +169,27 @@ def backward(
     return de, dc, dbias
 
 
+_FP32_OUT_MM: list = []  # which way _add_matmul_fp32 found to work, once per process
+
+
+def _add_matmul_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, where 16-bit a, b are multiplied by cuBLAS into an fp32 result (no
+    rounding of the partial product to 16 bits) where this PyTorch offers it (addmm/mm out_dtype)."""
+    if a.dtype != torch.float32 and a.is_cuda and _FP32_OUT_MM != ["none"]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _FP32_OUT_MM[:] = ["addmm"]
+            return
+        except (RuntimeError, TypeError):
+            try:
+                acc += torch.mm(a, b, out_dtype=torch.float32)
+                _FP32_OUT_MM[:] = ["mm"]
+                return
+            except (RuntimeError, TypeError):
+                _FP32_OUT_MM[:] = ["none"]
+    acc += a @ b
+
+
 def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps,
                       variant: BackwardVariant):
     """The ``strategy="chunked"`` backward: per vocabulary chunk, a kernel writes g to a buffer of
@@ -209,10 +230,10 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef
             if perm is not None:
                 cols = perm[lo : lo + w].long()
                 dc.index_copy_(0, cols, (g.T @ e_rows).to(c.dtype))
-                de32 += g @ c[cols]
+                _add_matmul_fp32(de32, g, c[cols])
             else:
                 dc[lo : lo + w] = g.T @ e_rows
-                de32 += g @ c[lo : lo + w]
+                _add_matmul_fp32(de32, g, c[lo : lo + w])
     de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
     de.view(-1, D).index_copy_(0, rows.de_offsets // D, de32.to(e.dtype))
     if dbias is not None:

@@ -162,6 +162,7 @@ class SearchSpace:
     knobs: dict  # name -> tuple of values
     constraints: tuple  # of Constraint
     path: Path | None = None
+    seeds: tuple = ()  # partial knob dicts the tuner measures first (over the built-in default)
 
     @property
     def variant_class(self) -> type[_Variant]:
@@ -277,7 +278,7 @@ def load_space(kernel: str, path: str | Path | None = None) -> SearchSpace:
         raise SpaceError(f"{where}: not valid YAML ({exc})") from None
     if not isinstance(data, dict):
         raise SpaceError(f"{where}: expected a mapping with keys kernel, knobs, constraints")
-    unknown = sorted(set(data) - {"kernel", "knobs", "constraints"})
+    unknown = sorted(set(data) - {"kernel", "knobs", "constraints", "seeds"})
     if unknown:
         raise SpaceError(f"{where}: unknown top-level key(s) {unknown}")
     if data.get("kernel") != kernel:
@@ -309,4 +310,18 @@ def load_space(kernel: str, path: str | Path | None = None) -> SearchSpace:
         seen.add(item["name"])
         names, code = _compile_rule(item["rule"], set(knobs), f"{where}: constraint {item['name']!r}")
         constraints.append(Constraint(item["name"], item["rule"], item["why"], names, code))
-    return SearchSpace(kernel=kernel, knobs=knobs, constraints=tuple(constraints), path=path)
+    seeds_raw = data.get("seeds") or []
+    if not isinstance(seeds_raw, list):
+        raise SpaceError(f"{where}: 'seeds' must be a list of knob mappings")
+    seeds = []
+    for i, item in enumerate(seeds_raw):
+        sw = f"{where}: seeds[{i}]"
+        if not isinstance(item, dict) or not item:
+            raise SpaceError(f"{sw}: expected a non-empty mapping of knob -> value")
+        for name, value in item.items():
+            if name not in knobs:
+                raise SpaceError(f"{sw}: unknown knob {name!r}")
+            if not any(_same(value, c) for c in knobs[name]):
+                raise SpaceError(f"{sw}: {name}={value!r} is not one of the knob's choices {list(knobs[name])}")
+        seeds.append(dict(item))
+    return SearchSpace(kernel=kernel, knobs=knobs, constraints=tuple(constraints), path=path, seeds=tuple(seeds))

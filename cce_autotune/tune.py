@@ -784,6 +784,12 @@ def run_study(spec: StudySpec, backend: Backend, storage=None, *, seed: int = 0,
     if (worker == 0 and not any(t.user_attrs.get("proposed") == "baseline" for t in study.get_trials(deepcopy=False))
             and space.contains(default) and space.reject_reason(space.params_of(default), ctx) is None):
         pending.append((space.params_of(default), "baseline"))
+    # Then the space's seeds (known-good points, merged over the default), once per study.
+    if worker == 0 and not any(str(t.user_attrs.get("proposed", "")).startswith("seed") for t in study.get_trials(deepcopy=False)):
+        for i, partial in enumerate(space.seeds):
+            params = {**space.params_of(default), **partial} if space.contains(default) else None
+            if params is not None and space.reject_reason(params, ctx) is None:
+                pending.append((params, f"seed {i}"))
 
     stats = StudyStats(spec.name)
     bar = _Progress(spec.label(), spec.n_trials, progress)

@@ -236,3 +236,31 @@ def test_gpu_backend_smoke(isolated):
         assert all(math.isfinite(v) and v < 5e-2 for v in errors.values()), errors
         t = backend.time(kernel, KernelVariants(), problem)
         assert 0 < t["p20_ms"] <= t["median_ms"] <= t["p80_ms"]
+
+
+def test_seeds_are_measured_first(isolated):
+    # The search space's seeds (merged over the default) are measured right after the baseline.
+    from cce_autotune.space import load_space
+
+    space = load_space("lse_forward")
+    assert space.seeds, "the packaged lse_forward space lists seeds"
+    spec = tune.StudySpec("h200", "lse_forward", tune.Problem(B=8192, V=256128, D=2304), n_trials=len(space.seeds) + 3)
+    tune.run_study(spec, tune.FakeBackend(), tune.make_storage(_url(isolated)), seed=0, worker=0, timeout_s=60)
+    trials = sorted(_trials(spec, _url(isolated)), key=lambda t: t.number)
+    proposed = [t.user_attrs.get("proposed") for t in trials]
+    assert proposed[0] == "baseline"
+    assert proposed[1 : 1 + len(space.seeds)] == [f"seed {i}" for i in range(len(space.seeds))]
+    default = tune.KernelVariants().lse_forward
+    for t, seed in zip(trials[1:], space.seeds):
+        assert all(t.params[k] == v for k, v in seed.items())
+        assert all(t.params[k] == getattr(default, k) for k in t.params if k not in seed)
+
+
+def test_bad_seed_is_refused(tmp_path):
+    from cce_autotune.space import SpaceError, load_space, space_path
+
+    text = space_path("indexed_dot").read_text() + "\n  - {block_d: 48}\n"
+    p = tmp_path / "indexed_dot.yaml"
+    p.write_text(text)
+    with pytest.raises(SpaceError, match=r"seeds\[1\]: block_d=48 is not one of"):
+        load_space("indexed_dot", p)
