@@ -527,9 +527,11 @@ def classify_failure(exc: BaseException) -> str | None:
     """The trial status of a failed measurement, or None for an exception that must propagate."""
     try:
         from triton.compiler.errors import CompilationError
+        from triton.compiler.errors import TritonError as CompilerTritonError
         from triton.runtime.errors import OutOfResources
+        from triton.runtime.errors import TritonError as RuntimeTritonError
     except ImportError:  # pragma: no cover
-        CompilationError = OutOfResources = ()  # noqa: N806
+        CompilationError = OutOfResources = CompilerTritonError = RuntimeTritonError = ()  # noqa: N806
     import torch
 
     if isinstance(exc, TrialTimeout):
@@ -538,6 +540,9 @@ def classify_failure(exc: BaseException) -> str | None:
         return "out_of_resources"
     if isinstance(exc, CompilationError):
         return "compile_error"
+    if isinstance(exc, (CompilerTritonError, RuntimeTritonError)):
+        # e.g. PTXASError "Insufficient registers": the variant cannot be built on this device
+        return "out_of_resources" if "register" in str(exc).lower() else "compile_error"
     if isinstance(exc, VariantError):
         return "invalid"
     if isinstance(exc, RuntimeError):

@@ -126,6 +126,11 @@ def test_classify_failure():
     assert tune.classify_failure(torch.cuda.OutOfMemoryError("oom")) == "out_of_resources"
     assert tune.classify_failure(tune._compilation_error("x")) == "compile_error"
     assert tune.classify_failure(RuntimeError("PTX")) == "runtime_error"
+    # ptxas giving up on a variant (seen on an H200 with a wide forward tile) is a failed trial
+    from triton.runtime.errors import PTXASError
+
+    assert tune.classify_failure(PTXASError("ptxas fatal: (C7602) Insufficient registers (128)")) == "out_of_resources"
+    assert tune.classify_failure(PTXASError("ptxas fatal: something else")) == "compile_error"
     assert tune.classify_failure(RuntimeError("CUDA error: an illegal memory access was encountered")) == "cuda_fatal"
     assert tune.classify_failure(tune.TrialTimeout("slow")) == "timeout"
     assert tune.classify_failure(ValueError("a bug")) is None  # bugs are not hidden as failed trials
