@@ -143,6 +143,10 @@ def _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, retur
     # Explicit variants are always checked; the dispatcher is consulted only for the Triton path.
     kv = _resolve_variants(variants, e, c, bias, softcap) if impl == "triton" or variants is not None else KernelVariants()
     eps = kv.backward.filter_eps if filter_eps == "auto" else filter_eps
+    if variants is None and eps is None and kv.backward.strategy != "auto":
+        # Tuned backward variants are measured in the default (filtered) mode; an explicit request for
+        # exact gradients lets the strategy follow exactness instead (chunked: no tile is skippable).
+        kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
     dev = e.device
     D, V = e.shape[-1], c.shape[0]
     batch = tuple(e.shape[:-1])

@@ -229,7 +229,7 @@ class BackwardVariant(_TiledVariant):
     accum: str = "fp32"
     num_locks: int = 64
     strategy: str = "auto"
-    chunk_v: int = 1024
+    chunk_v: int = 4096
 
     @property
     def template(self) -> str:

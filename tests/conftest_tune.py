@@ -1,14 +1,17 @@
 """Shared fixtures of the tuner / database / dispatcher / CLI tests (imported by those test files).
 
 ``isolated``: every cache and config folder in tmp_path, no GPU override, dispatcher caches cleared,
-so no test reads or writes the real user cache.
+so no test reads or writes the real user cache; the packaged tuned configs are replaced by a folder
+holding only the packaged alias table, so that shipped results do not leak into the tests.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from cce_autotune import dispatch
+from cce_autotune import dispatch, paths
 from cce_autotune.db import Entry, EntryKey
 from cce_autotune.variant import KERNELS
 
@@ -18,12 +21,17 @@ def isolated(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     config = tmp_path / "config"
     config.mkdir()
+    packaged = tmp_path / "packaged"
+    packaged.mkdir()
+    shutil.copy(paths.resource_dir("tuned_configs") / "aliases.yaml", packaged / "aliases.yaml")
+    real = dispatch.resource_dir
+    monkeypatch.setattr(dispatch, "resource_dir", lambda name: packaged if name == "tuned_configs" else real(name))
     monkeypatch.setenv("CCE_AUTOTUNE_CACHE_DIR", str(cache))
     monkeypatch.setenv("CCE_AUTOTUNE_CONFIG_DIR", str(config))
     monkeypatch.delenv("CCE_AUTOTUNE_GPU", raising=False)
     monkeypatch.delenv("CCE_AUTOTUNE_BACKEND", raising=False)
     dispatch.clear_cache()
-    yield {"cache": cache, "config": config, "tmp": tmp_path}
+    yield {"cache": cache, "config": config, "tmp": tmp_path, "packaged": packaged}
     dispatch.clear_cache()
 
 

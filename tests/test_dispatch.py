@@ -101,7 +101,7 @@ def test_search_path_order_env_then_cache_then_package(isolated, monkeypatch):
     db.save_entries(cache_configs / "h200.yaml", [make_entry(block_b=32), make_entry(B=4096, block_b=128)])
     db.save_entries(isolated["config"] / "h200.yaml", [make_entry(block_b=64)])  # same key as the first
     path = dispatch.config_search_path()
-    assert path[:2] == [isolated["config"], cache_configs] and path[2].name == "tuned_configs"
+    assert path == [isolated["config"], cache_configs, isolated["packaged"]]  # env, cache, then the package
     assert dispatch.select("h200", "bf16", 8192, 32000, 4096, warn=False).backward.block_b == 64
     assert dispatch.select("h200", "bf16", 4096, 32000, 4096, warn=False).backward.block_b == 128
 
@@ -175,3 +175,16 @@ def test_cuda_device_is_looked_up(isolated):
         warnings.simplefilter("always")
         dispatch.select_variants(e, c)
     assert sum(issubclass(w.category, dispatch.TunedConfigWarning) for w in caught) <= 1
+
+
+def test_packaged_h200_configs_load_and_are_used():
+    # The shipped database is valid, and an H200 lookup at a tuned shape picks its entry.
+    from cce_autotune import paths
+
+    dispatch.clear_cache()
+    f = db.load_file(paths.resource_dir("tuned_configs") / "h200.yaml", expect_gpu="h200")
+    keys = {(k.kernel, k.V, k.D) for k in f.by_key()}
+    assert ("backward", 32768, 4096) in keys and ("lse_forward", 256128, 2304) in keys
+    why = dispatch.explain("h200", "bf16", 8192, 32768, 4096, smem_limit=232448)
+    assert "exact match" in str(why) and "h200.yaml" in str(why)
+    dispatch.clear_cache()

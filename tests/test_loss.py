@@ -181,3 +181,23 @@ def test_row_layouts(case, device):
     ref, (re, rc) = grads_of(lambda e_, c_: torch_loss(e_, c_, t, shift=shift), e.double(), c.double())
     assert rel_err(out.detach(), ref.detach()) < 1e-5
     assert rel_err(ge, re) < 1e-5 and rel_err(gc, rc) < 1e-5
+
+
+def test_exact_request_lets_a_tuned_backward_follow_exactness(monkeypatch, device):
+    # A dispatched (tuned) backward is measured in filtered mode; filter_eps=None switches its
+    # strategy back to "auto" (chunked for exact gradients). Explicit variants are left alone.
+    from cce_autotune import dispatch
+    from cce_autotune import loss as loss_mod
+
+    tuned = KernelVariants(backward=BackwardVariant(block_b=16, block_v=32, block_d=16, strategy="tiles"))
+    monkeypatch.setattr(dispatch, "select_variants", lambda e, c, **kw: tuned)
+    e, c, t, _ = make_inputs((20,), 64, 32, torch.float32, device=device)
+    exact = loss_mod._prepare(e, c, t, None, -100, None, "mean", 0, False, None, "triton", None)
+    assert exact.variants.backward.strategy == "auto" and exact.variants.backward.resolved(None).strategy == "chunked"
+    filtered = loss_mod._prepare(e, c, t, None, -100, None, "mean", 0, False, "auto", "triton", None)
+    assert filtered.variants.backward.strategy == "tiles"
+    explicit = loss_mod._prepare(e, c, t, None, -100, None, "mean", 0, False, None, "triton", tuned)
+    assert explicit.variants.backward.strategy == "tiles"
+    out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, filter_eps=None, impl="triton"), e, c)
+    ref, (re, rc) = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
+    assert rel_err(ge, re) < 1e-5 and rel_err(gc, rc) < 1e-5

@@ -130,8 +130,9 @@ def test_launch_knobs(num_warps, num_stages, group_b, device):
 
 
 def _covering_variants(kernel, seed=0, max_draws=20000):
-    """Feasible variants of the packaged search space (at the gemma2 / llama3 shapes) that together
-    take every value of every knob at least once."""
+    """Feasible variants of the packaged search space (at the gemma2 / llama3 shapes), each taking
+    some knob value not yet taken, until every value of every knob is taken (yielded lazily; the
+    caller sends back whether the variant could be built on this device)."""
     import random
 
     from cce_autotune.space import SpaceContext, load_space
@@ -140,7 +141,6 @@ def _covering_variants(kernel, seed=0, max_draws=20000):
     contexts = [SpaceContext(B=8192, V=V, D=D, elem_bytes=2, smem_limit=232448) for V, D in ((256128, 2304), (128256, 4096))]
     todo = {(k, repr(v)) for k, vs in space.knobs.items() for v in vs}
     rng = random.Random(seed)
-    chosen = []
     for _ in range(max_draws):
         if not todo:
             break
@@ -151,29 +151,46 @@ def _covering_variants(kernel, seed=0, max_draws=20000):
             continue
         covered = {(k, repr(v)) for k, v in params.items()} & todo
         if covered:
-            chosen.append(space.variant(params))
-            todo -= covered
-    return chosen, todo
+            built = yield space.variant(params)
+            if built:
+                todo -= covered
+    yield todo  # what is left uncovered (empty when every value was exercised)
 
 
 @pytest.mark.parametrize("kernel", ["indexed_dot", "lse_forward", "backward"])
 def test_every_search_space_value_passes_the_oracle(kernel, device):
     # Every value any knob of the packaged search space can take, in feasible combinations, must give
     # correct results on a shape that divides no block (correctness never depends on the shape rules).
-    chosen, missing = _covering_variants(kernel)
-    assert not missing, f"no feasible variant found for {sorted(missing)}"
-    for v in chosen:
+    # On a GPU a combination that the compiler cannot build (e.g. ptxas out of registers) is what the
+    # tuner records as a failed trial; then another combination must cover those values.
+    from triton.compiler.errors import TritonError as CompileError
+    from triton.runtime.errors import TritonError as RuntimeTritonError
+
+    gen = _covering_variants(kernel)
+    item, built = next(gen), None
+    while not isinstance(item, set):
+        v = item
         v.validate(elem_bytes=2)
         kv = SMALL.replace(**{kernel: v})
         eps = v.filter_eps if kernel == "backward" else None
-        res, (e, c, t, b) = run_case((37,), 301, 45, torch.float32, variants=kv, bias=True, softcap=8.0,
-                                     filter_eps="auto" if kernel == "backward" else None, peaked=1.0, device=device)
-        if eps is not None:
-            bound_de, bound_dc = filtered_bound(e, c, t, b, eps)
-            res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
-            res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
-            res.pop("dbias")
-        assert_within(res), v
+        try:
+            res, (e, c, t, b) = run_case((37,), 301, 45, torch.float32, variants=kv, bias=True, softcap=8.0,
+                                         filter_eps="auto" if kernel == "backward" else None, peaked=1.0,
+                                         device=device)
+            built = True
+        except (CompileError, RuntimeTritonError):
+            if device == "cpu":
+                raise
+            built = False
+        if built:
+            if eps is not None:
+                bound_de, bound_dc = filtered_bound(e, c, t, b, eps)
+                res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
+                res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
+                res.pop("dbias")
+            assert_within(res), v
+        item = gen.send(built)
+    assert not item, f"no feasible variant exercised {sorted(item)}"
 
 
 @pytest.mark.parametrize("chunk_v", [64, 128, 1024])
