@@ -42,13 +42,16 @@ def _int_list(name: str):
     return parse
 
 
-def _positive_int(name: str):
-    def parse(text: str) -> int:
+def _positive(name: str, cast=int):
+    """argparse type: a positive int (or float, with ``cast=float``), errors naming the option."""
+    what = "an integer" if cast is int else "a number"
+
+    def parse(text: str):
         try:
-            v = int(text)
+            v = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected an integer, got {text!r}") from None
-        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name}: expected {what}, got {text!r}") from None
+        if not v > 0:
             raise argparse.ArgumentTypeError(f"{name}: must be positive, got {text!r}")
         return v
 
@@ -73,19 +76,6 @@ def _kernel_list(text: str) -> list[str]:
     return values
 
 
-def _positive_float(name: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected a number, got {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"{name}: must be positive, got {text!r}")
-        return v
-
-    return parse
-
-
 def _shape_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--vocab", type=_int_list("--vocab"), required=required, metavar="V[,V...]",
                    help="vocabulary size(s)")
@@ -108,25 +98,25 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     _shape_args(tune, required=True)
     tune.add_argument("--kernels", type=_kernel_list, default=list(KERNELS),
                       help=f"comma-separated among {', '.join(KERNELS)}, or all (default)")
-    tune.add_argument("--trials", type=_positive_int("--trials"), default=50, metavar="N",
+    tune.add_argument("--trials", type=_positive("--trials"), default=50, metavar="N",
                       help="measured trials per study (default 50); a study resumes up to this count")
-    tune.add_argument("--budget-minutes", type=_positive_float("--budget-minutes"), metavar="M",
+    tune.add_argument("--budget-minutes", type=_positive("--budget-minutes", float), metavar="M",
                       help="wall-clock budget for the whole run, shared evenly by the studies")
     tune.add_argument("--out", type=Path, metavar="DIR",
                       help="where <gpu>.yaml is written (default: the user cache's tuned_configs/)")
     tune.add_argument("--dry-run", action="store_true", help="print the plan and exit (needs no GPU)")
-    tune.add_argument("--max-grad-error", type=_positive_float("--max-grad-error"), default=1e-2,
+    tune.add_argument("--max-grad-error", type=_positive("--max-grad-error", float), default=1e-2,
                       help="correctness gate: relative L2 error of dE, dC (and dbias) vs the exact result (default 1e-2)")
-    tune.add_argument("--max-value-error", type=_positive_float("--max-value-error"), default=1e-3,
+    tune.add_argument("--max-value-error", type=_positive("--max-value-error", float), default=1e-3,
                       help="correctness gate for loss / lse / target logits (default 1e-3)")
     tune.add_argument("--storage", metavar="URL",
                       help="Optuna RDB storage URL shared by workers/machines (default: sqlite in the user cache)")
-    tune.add_argument("--workers", type=_positive_int("--workers"), default=1, metavar="N",
+    tune.add_argument("--workers", type=_positive("--workers"), default=1, metavar="N",
                       help="worker processes, one per local GPU, sharing the studies (default 1)")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
-    tune.add_argument("--trial-time-limit", type=_positive_float("--trial-time-limit"), default=120.0, metavar="S",
+    tune.add_argument("--trial-time-limit", type=_positive("--trial-time-limit", float), default=120.0, metavar="S",
                       help="seconds one trial may take before it is recorded as failed (default 120)")
-    tune.add_argument("--top-k", type=_positive_int("--top-k"), default=3, metavar="K",
+    tune.add_argument("--top-k", type=_positive("--top-k"), default=3, metavar="K",
                       help="best distinct variants re-timed interleaved before the winner is chosen (default 3)")
     tune.add_argument("--backend", choices=("gpu", "fake"), default=None, help=argparse.SUPPRESS)
 
