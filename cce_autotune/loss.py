@@ -188,21 +188,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e, c, bias, p: _Problem):
         needs_grad = any(ctx.needs_input_grad[:3])
-        perm = None
+        vocab_sum = None
         if p.impl == "triton":
             kv = p.variants
             zt = kernels.indexed_dot(e, c, bias, p.layout, p.targets, p.softcap, kv.indexed_dot)
             sort = needs_grad and kv.backward.sort_vocab and p.filter_eps is not None and p.n_valid > 0
+            # The per-vocab logit sums (V floats) are kept; the sort itself waits for the backward, so
+            # the forward holds no permutation and no argsort scratch.
             lse, vocab_sum = kernels.lse_forward(e, c, bias, p.layout, p.softcap, kv.lse_forward, vocab_stats=sort)
-            if sort:
-                perm = torch.argsort(vocab_sum, descending=True).to(torch.int32)
         else:
             lse, zt = reference.forward(e, c, bias, p.rows, p.targets, p.softcap)
         # torch's cross_entropy gives NaN for a row whose logits hold +inf (or are all -inf).
         loss_v = torch.where(torch.isfinite(lse), lse - zt, float("nan")).float()
         lse_v = lse.float()
         ctx.problem = p
-        ctx.perm = perm
+        ctx.vocab_sum = vocab_sum
         ctx.save_for_backward(e, c, bias, lse_v)
         n = p.n_valid
         if p.reduction == "none":
@@ -231,8 +231,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         coef_s = coef_t + grad_lse.reshape(-1).float()[p.valid_idx] if grad_lse is not None else coef_t
         coef_s = coef_s.contiguous()
         if p.impl == "triton":
-            perm = ctx.perm
-            if perm is not None:
+            perm = None
+            if ctx.vocab_sum is not None:
+                perm = torch.argsort(ctx.vocab_sum, descending=True).to(torch.int32)
                 inv = torch.empty_like(perm)
                 inv[perm.long()] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
                 target_pos = inv[p.targets]
