@@ -134,7 +134,8 @@ def backward(
     ``softmax * coef_s[i] - onehot * coef_t[i]`` (times the softcap derivative).
     ``filter_eps=None``: exact.
     """
-    variant = variant.resolved(filter_eps)
+    # The variant as launched: strategy decided, filter and sorting as this call has them.
+    variant = variant.resolved(filter_eps).replace(filter_eps=filter_eps, sort_vocab=perm is not None)
     if variant.strategy == "chunked":
         return _backward_chunked(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant)
     n_rows, D = rows.n, e.shape[-1]
@@ -146,7 +147,6 @@ def backward(
     dc = torch.zeros(c.shape, dtype=c.dtype if native else torch.float32, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
     if n_rows > 0:
-        variant = variant.replace(filter_eps=filter_eps, sort_vocab=perm is not None)
         kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows))
         locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
         locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
@@ -169,24 +169,29 @@ def backward(
     return de, dc, dbias
 
 
-_FP32_OUT_MM: list = []  # which way _add_matmul_fp32 found to work, once per process
+_FP32_OUT_MM: list = []  # the way _add_matmul_fp32 found to work, decided on its first CUDA call
 
 
 def _add_matmul_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (fp32) += a @ b, where 16-bit a, b are multiplied by cuBLAS into an fp32 result (no
     rounding of the partial product to 16 bits) where this PyTorch offers it (addmm/mm out_dtype)."""
-    if a.dtype != torch.float32 and a.is_cuda and _FP32_OUT_MM != ["none"]:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _FP32_OUT_MM[:] = ["addmm"]
+    ways = {
+        "addmm": lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc),
+        "mm": lambda: acc.add_(torch.mm(a, b, out_dtype=torch.float32)),
+    }
+    if a.dtype != torch.float32 and a.is_cuda:
+        if not _FP32_OUT_MM:  # first call: find the first way this PyTorch supports
+            for name, way in ways.items():
+                try:
+                    way()
+                    _FP32_OUT_MM.append(name)
+                    return
+                except (RuntimeError, TypeError):
+                    continue
+            _FP32_OUT_MM.append("none")
+        elif _FP32_OUT_MM[0] in ways:
+            ways[_FP32_OUT_MM[0]]()
             return
-        except (RuntimeError, TypeError):
-            try:
-                acc += torch.mm(a, b, out_dtype=torch.float32)
-                _FP32_OUT_MM[:] = ["mm"]
-                return
-            except (RuntimeError, TypeError):
-                _FP32_OUT_MM[:] = ["none"]
     acc += a @ b
 
 
@@ -200,11 +205,10 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef
     de32 = torch.zeros((n_rows, D), dtype=torch.float32, device=dev)
     dc = torch.zeros(c.shape, dtype=c.dtype, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+    row_idx = rows.de_offsets // D  # row of each taking part in e.reshape(-1, D)
     if n_rows > 0:
-        variant = variant.replace(filter_eps=filter_eps, sort_vocab=perm is not None)
         kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows))
         # The rows taking part, as a (n_rows, D) matrix for cuBLAS (a view when they are dense).
-        row_idx = rows.de_offsets // D
         e2 = e.reshape(-1, D)
         e_rows = e2 if rows.dense_stride is not None and e2.shape[0] == n_rows else e2[row_idx]
         width = min(variant.chunk_v, V)
@@ -235,7 +239,7 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef
                 dc[lo : lo + w] = g.T @ e_rows
                 _add_matmul_fp32(de32, g, c[lo : lo + w])
     de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
-    de.view(-1, D).index_copy_(0, rows.de_offsets // D, de32.to(e.dtype))
+    de.view(-1, D).index_copy_(0, row_idx, de32.to(e.dtype))
     if dbias is not None:
         dbias = dbias.to(bias.dtype)
     return de, dc, dbias
