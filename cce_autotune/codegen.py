@@ -55,6 +55,9 @@ class Flags:
     dense_rows: bool = False  # row i of the problem is row i of E at stride_eb: no offset table
     rows_aligned: bool = False  # every row offset is a multiple of 8 elements (16-byte vector loads)
     interpret: bool = False  # rendering for the Triton interpreter
+    walk_perm: bool = False  # forward walks the vocabulary in a given order (a previous call's sort)
+    tile_map: bool = False  # forward records the per-(row, vocab tile) bound map for the backward
+    tile_list: bool = False  # backward launches only listed tiles; the target term is added outside
 
     def template_flags(self) -> dict:
         return {
@@ -66,6 +69,9 @@ class Flags:
             "DENSE_ROWS": self.dense_rows,
             "ROWS_ALIGNED": self.rows_aligned,
             "INTERPRET": self.interpret,
+            "WALK_PERM": self.walk_perm,
+            "TILE_MAP": self.tile_map,
+            "TILE_LIST": self.tile_list,
         }
 
 

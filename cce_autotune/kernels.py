@@ -13,6 +13,7 @@ import torch
 import triton
 
 from .codegen import Flags, interpreting, load_kernel
+from .tile_map import TileMap, live_tiles
 from .variant import BackwardVariant, IndexedDotVariant, LSEForwardVariant
 
 __all__ = ["RowLayout", "indexed_dot", "lse_forward", "backward"]
@@ -83,49 +84,63 @@ def indexed_dot(e, c, bias, rows: RowLayout, targets, softcap, variant: IndexedD
     return out
 
 
-def split_plan(n_vocab_tiles: int, num_splits: int) -> tuple[int, int]:
-    """(tiles per split, splits actually launched): no split is left empty."""
-    tiles_per_split = triton.cdiv(n_vocab_tiles, max(1, min(num_splits, n_vocab_tiles)))
-    return tiles_per_split, triton.cdiv(n_vocab_tiles, tiles_per_split)
+def split_plan(n_vocab_tiles: int, num_splits: int) -> int:
+    """Splits actually launched: no split is left empty (split s walks tiles s, s + splits, ...)."""
+    return max(1, min(num_splits, n_vocab_tiles))
 
 
-def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant, vocab_stats: bool = False):
+def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant, vocab_stats: bool = False,
+                perm: torch.Tensor | None = None, zt: torch.Tensor | None = None):
     """Per-row log-sum-exp of the (softcapped) logits, fp32 (n_rows,).
 
-    With ``vocab_stats`` also returns the per-vocabulary sum of logits over the rows (fp32 (V,)),
-    else None.
+    Returns ``(lse, vocab_sum, tile_map)``:
+
+    - ``vocab_sum`` (with ``vocab_stats``): the per-vocabulary sum of logits over the rows (fp32
+      (V,)), else None;
+    - ``tile_map`` (when ``perm`` and the target logits ``zt`` are given): the vocabulary is walked
+      in the order ``perm`` and the bounds of :class:`~cce_autotune.tile_map.TileMap` are recorded,
+      else None.
     """
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
     vocab_sum = torch.zeros(V, dtype=torch.float32, device=dev) if vocab_stats else None
+    record = perm is not None and zt is not None
+    n_tiles = triton.cdiv(V, variant.block_v)
+    tmap = None
+    if record:
+        tmap = TileMap(q=torch.empty((n_tiles, n_rows), dtype=torch.int8, device=dev), block_v=variant.block_v,
+                       perm=perm, zt=zt)
     if n_rows == 0:
-        return torch.empty(0, dtype=torch.float32, device=dev), vocab_sum
-    tiles_per_split, num_splits = split_plan(triton.cdiv(V, variant.block_v), variant.num_splits)
+        return torch.empty(0, dtype=torch.float32, device=dev), vocab_sum, tmap
+    num_splits = split_plan(n_tiles, variant.num_splits)
     if variant.merge == "buffer":
         out = torch.empty((num_splits, n_rows), dtype=torch.float32, device=dev)
         locks = out  # unused
     else:
         out = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
         locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
-    kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows, vocab_stats=vocab_stats))
+    flags = _flags(e, bias, softcap, variant.block_d, rows, vocab_stats=vocab_stats, walk_perm=perm is not None,
+                   tile_map=record)
+    kernel = load_kernel(variant, flags)
     grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
     kernel[grid](
         e, c, bias if bias is not None else c, rows.offsets, out, locks,
-        vocab_sum if vocab_sum is not None else out,
+        vocab_sum if vocab_sum is not None else out, perm if perm is not None else rows.offsets,
+        zt if record else out, tmap.q if record else out,
         n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
-        tiles_per_split, num_splits,
+        num_splits,
         BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
         GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     lse = torch.logsumexp(out, dim=0) if variant.merge == "buffer" else out
-    return lse, vocab_sum
+    return lse, vocab_sum, tmap
 
 
 def backward(
     e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap,
-    filter_eps, variant: BackwardVariant,
+    filter_eps, variant: BackwardVariant, tile_map: TileMap | None = None, targets: torch.Tensor | None = None,
 ):
     """dE (shape and dtype of ``e``), dC (of ``c``), dbias (of ``bias``, or None).
 
@@ -133,6 +148,10 @@ def backward(
     vocab index, or ``inv_perm[target]`` when ``perm`` is given). The gradient of row i's logits is
     ``softmax * coef_s[i] - onehot * coef_t[i]`` (times the softcap derivative).
     ``filter_eps=None``: exact.
+
+    With a forward's ``tile_map`` (filtered, tiles strategy, fp32 accumulation), ``perm`` must be the
+    order that forward walked and ``targets`` the vocabulary index of each row's target: only the
+    tiles the map marks live are launched and the onehot term is added here.
     """
     # The variant as launched: strategy decided, filter and sorting as this call has them.
     variant = variant.resolved(filter_eps).replace(filter_eps=filter_eps, sort_vocab=perm is not None)
@@ -142,31 +161,60 @@ def backward(
     V = c.shape[0]
     dev = e.device
     native = variant.accum == "native"
+    use_map = tile_map is not None and n_rows > 0
+    if use_map and (filter_eps is None or native or targets is None or perm is not tile_map.perm):
+        raise ValueError("tile_map: needs filtering, accum='fp32', the targets and the order the forward walked")
     acc_dtype = e.dtype if native else torch.float32
     de = torch.zeros(e.shape, dtype=acc_dtype, device=dev)
     dc = torch.zeros(c.shape, dtype=c.dtype if native else torch.float32, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
     if n_rows > 0:
-        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows))
+        if use_map:
+            tiles = live_tiles(tile_map, lse, filter_eps, V, variant.block_b, variant.block_v, variant.group_b)
+            grid = (tiles.numel(),)
+            _add_target_terms(e, c, rows, targets, tile_map.zt, coef_t, softcap, de, dc, dbias)
+        else:
+            tiles = target_pos  # unused
+            grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(V, variant.block_v),)
+        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows, tile_list=use_map))
         locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
         locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
-        grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(V, variant.block_v),)
-        kernel[grid](
-            e, c, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
-            perm if perm is not None else target_pos,
-            de, rows.de_offsets, dc, dbias if dbias is not None else lse, locks_e, locks_c,
-            n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), dc.stride(0), _softcap_arg(softcap),
-            float(filter_eps) if filter_eps is not None else 0.0,
-            BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
-            GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
-            num_warps=variant.num_warps, num_stages=variant.num_stages,
-        )
+        if grid[0] > 0:
+            kernel[grid](
+                e, c, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
+                perm if perm is not None else target_pos, tiles,
+                de, rows.de_offsets, dc, dbias if dbias is not None else lse, locks_e, locks_c,
+                n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), dc.stride(0), _softcap_arg(softcap),
+                float(filter_eps) if filter_eps is not None else 0.0,
+                BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+                GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
+                num_warps=variant.num_warps, num_stages=variant.num_stages,
+            )
     if not native:
         de = de.to(e.dtype)
         dc = dc.to(c.dtype)
     if dbias is not None:
         dbias = dbias.to(bias.dtype)
     return de, dc, dbias
+
+
+def _add_target_terms(e, c, rows: RowLayout, targets, zt, coef_t, softcap, de32, dc32, dbias, chunk: int = 4096):
+    """The onehot part of the logit gradient, -coef_t[i] (times the softcap derivative at the target
+    logit) at (i, targets[i]), added into the fp32 dE, dC (and dbias) accumulators."""
+    D = e.shape[-1]
+    e2 = e.reshape(-1, D)
+    de2 = de32.view(-1, D)
+    row_idx = rows.de_offsets // D
+    w = coef_t.float()
+    if softcap is not None:
+        w = w * (1.0 - (zt.float() / float(softcap)) ** 2)
+    for lo in range(0, rows.n, chunk):
+        sl = slice(lo, lo + chunk)
+        t, wk = targets[sl], w[sl, None]
+        de2.index_add_(0, row_idx[sl], c[t].float() * -wk)
+        dc32.index_add_(0, t, e2[row_idx[sl]].float() * -wk)
+    if dbias is not None:
+        dbias.index_add_(0, targets, -w)
 
 
 _FP32_OUT_MM: list = []  # the way _add_matmul_fp32 found to work, decided on its first CUDA call

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import kernels, reference
+from . import kernels, reference, vocab_order
 from .codegen import interpreting
 from .variant import KernelVariants, VariantError
 
@@ -188,14 +188,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e, c, bias, p: _Problem):
         needs_grad = any(ctx.needs_input_grad[:3])
-        vocab_sum = None
+        vocab_sum = tmap = None
         if p.impl == "triton":
             kv = p.variants
+            bw = kv.backward
             zt = kernels.indexed_dot(e, c, bias, p.layout, p.targets, p.softcap, kv.indexed_dot)
-            sort = needs_grad and kv.backward.sort_vocab and p.filter_eps is not None and p.n_valid > 0
+            sort = needs_grad and bw.sort_vocab and p.filter_eps is not None and p.n_valid > 0
             # The per-vocab logit sums (V floats) are kept; the sort itself waits for the backward, so
-            # the forward holds no permutation and no argsort scratch.
-            lse, vocab_sum = kernels.lse_forward(e, c, bias, p.layout, p.softcap, kv.lse_forward, vocab_stats=sort)
+            # the forward holds no permutation and no argsort scratch.  With the tile map, the forward
+            # walks the order a previous backward left for this classifier and records where the
+            # live tiles are (see tile_map.py).
+            walk = None
+            if sort and bw.tile_map and bw.accum == "fp32" and bw.resolved(p.filter_eps).strategy == "tiles":
+                walk = vocab_order.lookup(c)
+            lse, vocab_sum, tmap = kernels.lse_forward(
+                e, c, bias, p.layout, p.softcap, kv.lse_forward, vocab_stats=sort, perm=walk,
+                zt=zt if walk is not None else None,
+            )
         else:
             lse, zt = reference.forward(e, c, bias, p.rows, p.targets, p.softcap)
         # torch's cross_entropy gives NaN for a row whose logits hold +inf (or are all -inf).
@@ -203,6 +212,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lse_v = lse.float()
         ctx.problem = p
         ctx.vocab_sum = vocab_sum
+        ctx.tile_map = tmap
         ctx.save_for_backward(e, c, bias, lse_v)
         n = p.n_valid
         if p.reduction == "none":
@@ -232,8 +242,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         coef_s = coef_s.contiguous()
         if p.impl == "triton":
             perm = None
+            tmap = ctx.tile_map
             if ctx.vocab_sum is not None:
                 perm = torch.argsort(ctx.vocab_sum, descending=True).to(torch.int32)
+                if p.variants.backward.tile_map:
+                    vocab_order.remember(c, perm)  # the next forward of this classifier walks it
+            if tmap is not None:
+                perm = tmap.perm  # the tile map is in the order the forward walked
+            if perm is not None:
                 inv = torch.empty_like(perm)
                 inv[perm.long()] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
                 target_pos = inv[p.targets]
@@ -241,7 +257,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 target_pos = p.targets
             de, dc, dbias = kernels.backward(
                 e, c, bias, p.layout, target_pos, lse_v, coef_s, coef_t, perm,
-                p.softcap, p.filter_eps, p.variants.backward,
+                p.softcap, p.filter_eps, p.variants.backward, tile_map=tmap, targets=p.targets,
             )
         else:
             de, dc, dbias = reference.backward(e, c, bias, p.rows, p.targets, lse_v, coef_s, coef_t, p.softcap)

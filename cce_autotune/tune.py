@@ -318,7 +318,9 @@ class GPUBackend(Backend):
         if name in d:
             return d[name]
         f32 = lambda x: None if x is None else x.float()  # noqa: E731
-        if name in ("ref_lse", "ref_zt"):
+        if name == "walk":  # the vocabulary by descending average logit (what a backward sorts by)
+            d["walk"] = torch.argsort(d["c"].float() @ d["e"].float().sum(0), descending=True).to(torch.int32)
+        elif name in ("ref_lse", "ref_zt"):
             lse, zt = reference.forward(f32(d["e"]), f32(d["c"]), f32(d["bias"]), torch.arange(problem.B, device="cuda"), d["t"], d["softcap"])
             d["ref_lse"], d["ref_zt"] = lse, zt
         else:
@@ -340,9 +342,14 @@ class GPUBackend(Backend):
             return (lambda: kernels.indexed_dot(d["e"], d["c"], d["bias"], d["rows"], d["t"], d["softcap"],
                                                 variants.indexed_dot)), None
         if kernel == "lse_forward":
-            stats = variants.backward.sort_vocab and variants.backward.filter_eps is not None
+            bw = variants.backward
+            stats = bw.sort_vocab and bw.filter_eps is not None
+            walk = zt = None
+            if stats and bw.tile_map and bw.accum == "fp32" and bw.resolved(bw.filter_eps).strategy == "tiles":
+                # As in a training step: walk a sorted order and record the tile map.
+                walk, zt = self._reference("walk", problem), self._reference("ref_zt", problem)
             return (lambda: kernels.lse_forward(d["e"], d["c"], d["bias"], d["rows"], d["softcap"],
-                                                variants.lse_forward, vocab_stats=stats)), None
+                                                variants.lse_forward, vocab_stats=stats, perm=walk, zt=zt)), None
         leaves = [d["e"].detach().requires_grad_(), d["c"].detach().requires_grad_()]
         if d["bias"] is not None:
             leaves.append(d["bias"].detach().requires_grad_())

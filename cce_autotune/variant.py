@@ -221,6 +221,12 @@ class BackwardVariant(_TiledVariant):
       dE += g C[chunk] (fp32 accumulation): no atomics, at the price of that buffer and an fp32
       dE. With filtering, chunks whose softmax stays below filter_eps skip the products.
       ``"auto"``: chunked for exact gradients (where tiles would all be live), tiles otherwise.
+    - ``tile_map``: (filtered tiles strategy with fp32 accumulation) the forward walks the
+      vocabulary in the order the previous backward of the same classifier sorted it into and
+      records, per row and tile, a bound on the largest logit (one byte each); the backward then
+      launches only the tiles that bound leaves live instead of recomputing all of them, and adds
+      the target (onehot) terms itself.  The first call of a classifier has no order yet and runs
+      as without the map.  See :mod:`cce_autotune.tile_map`.
     """
 
     kernel: ClassVar[str] = "backward"
@@ -230,6 +236,7 @@ class BackwardVariant(_TiledVariant):
     num_locks: int = 64
     strategy: str = "auto"
     chunk_v: int = 4096
+    tile_map: bool = False
 
     @property
     def template(self) -> str:
@@ -258,6 +265,8 @@ class BackwardVariant(_TiledVariant):
         _check_pow2("num_locks", self.num_locks, 1, 4096)
         _check_choice("strategy", self.strategy, ("auto", "tiles", "chunked"))
         _check_pow2("chunk_v", self.chunk_v, 16, 65536)
+        if not isinstance(self.tile_map, bool):
+            raise VariantError(f"tile_map={self.tile_map!r}: must be true or false")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         recompute = super().smem_bytes(elem_bytes)

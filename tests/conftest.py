@@ -15,6 +15,17 @@ os.environ.setdefault("CCE_AUTOTUNE_CACHE_DIR", tempfile.mkdtemp(prefix="cce_aut
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def _forget_vocab_orders():
+    """Each test starts without remembered vocabulary orders (a stale one only costs speed, but
+    tests should not depend on which tensors an earlier test left at an address)."""
+    from cce_autotune import vocab_order
+
+    vocab_order.clear()
+    yield
+    vocab_order.clear()
+
+
 @pytest.fixture
 def device():
     return DEVICE

@@ -31,8 +31,12 @@ SMALL = KernelVariants(
 
 
 def run_case(batch, V, D, dtype, *, impl="triton", bias=False, softcap=None, reduction="mean", shift=0,
-             ignore=0.0, variants=SMALL, filter_eps=None, peaked=0.0, seed=0, return_lse=False, device="cpu"):
-    """Compare one configuration with the oracle; returns the measured errors and the tolerances."""
+             ignore=0.0, variants=SMALL, filter_eps=None, peaked=0.0, seed=0, return_lse=False, device="cpu",
+             walk=None):
+    """Compare one configuration with the oracle; returns the measured errors and the tolerances.
+
+    ``walk``: "sorted" or "random" primes the remembered vocabulary order of the classifier (as a
+    previous training step would), so that variants with a tile map take their map path."""
     e, c, t, b = make_inputs(batch, V, D, dtype, bias=bias, seed=seed, peaked=peaked, device=device)
     if ignore:
         g = torch.Generator().manual_seed(seed + 1)
@@ -41,6 +45,8 @@ def run_case(batch, V, D, dtype, *, impl="triton", bias=False, softcap=None, red
     kw = dict(softcap=softcap, reduction=reduction, shift=shift)
 
     def ours(e_, c_, b_):
+        if walk is not None:
+            prime_order(c_, e_, walk)
         out = linear_cross_entropy(e_, c_, t, b_, impl=impl, variants=variants, filter_eps=filter_eps,
                                    return_lse=return_lse, **kw)
         if return_lse:  # z-loss style use of the LSE, so that its gradient path is exercised
@@ -67,6 +73,17 @@ def run_case(batch, V, D, dtype, *, impl="triton", bias=False, softcap=None, red
         assert go is not None and go.dtype == dtype and go.shape == gr.shape, n
         res[n] = (rel_err(go, gr), 2 * rel_err(gp, gr) + FLOOR[dtype])
     return res, (e, c, t, b)
+
+
+def prime_order(c, e, kind):
+    """Remember an order for classifier ``c``: by descending average logit, or a random one."""
+    from cce_autotune import vocab_order
+
+    if kind == "sorted":
+        perm = torch.argsort(c.detach().float() @ e.detach().float().reshape(-1, e.shape[-1]).sum(0), descending=True)
+    else:
+        perm = torch.randperm(c.shape[0], generator=torch.Generator().manual_seed(1)).to(c.device)
+    vocab_order.remember(c, perm.to(torch.int32))
 
 
 def assert_within(res):

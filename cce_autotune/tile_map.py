@@ -1,0 +1,72 @@
+"""The forward's tile map and the backward's list of live tiles.
+
+When the forward walks a remembered vocabulary order (:mod:`cce_autotune.vocab_order`) it records,
+for every row i and vocabulary tile t of its own tiling, an int8
+
+    q[t, i] >= 8 * (max_{j in t} z_ij - z_i,target) + 1/2        (127: no bound, keep the tile)
+
+(eighths of a nat above the target logit, rounded up).  Once the LSE is known, row i's softmax in
+tile t is below ``filter_eps`` whenever ``q[t, i] / 8 < log(filter_eps) + lse_i - z_i,target``,
+so the backward need not even recompute a (row block x tile) whose rows all pass that test.  The
+target's own onehot term is added outside the tile kernel, so a target does not keep its tile live.
+The map costs one byte per (row, forward tile): ``n_rows * ceil(V / block_v)`` bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TileMap", "live_tiles"]
+
+
+@dataclass
+class TileMap:
+    """What the forward leaves for the backward: the bound map, its tile width, the vocabulary order
+    it walked and the target logits the bounds are relative to."""
+
+    q: torch.Tensor  # (ceil(V / block_v), n_rows) int8
+    block_v: int
+    perm: torch.Tensor  # (V,) int32: position p of the walk is vocabulary entry perm[p]
+    zt: torch.Tensor  # (n_rows,) fp32 target logits (softcapped)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size()
+
+
+def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int,
+               group_b: int) -> torch.Tensor:
+    """int32 ids ``pid_b * ceil(V / block_v) + pid_n`` of the backward's (block_b x block_v) tiles
+    that may hold a softmax value >= ``filter_eps``, in the swizzled order of the full grid (groups
+    of ``group_b`` row blocks, walked tile-major), so that neighbouring programs share C tiles."""
+    q = tmap.q
+    n = q.shape[1]
+    dev = q.device
+    # Per row: the smallest q that can be live, as an int8 threshold (NaN -> everything live).
+    thr = torch.ceil(8.0 * (math.log(filter_eps) + lse.float() - tmap.zt.float()))
+    thr = torch.nan_to_num(thr, nan=-128.0, posinf=127.0, neginf=-128.0).clamp_(-128, 127).to(torch.int8)
+    live_rows = q >= thr[None, :]  # (T_f, n); q == 127 (saturated) passes every threshold
+    # Rows -> row blocks of the backward.
+    R = -(-n // block_b)
+    padded = torch.zeros((q.shape[0], R * block_b), dtype=torch.bool, device=dev)
+    padded[:, :n] = live_rows
+    live = padded.view(q.shape[0], R, block_b).any(dim=2)  # (T_f, R)
+    # Forward tiles -> backward tiles (both widths are powers of two).
+    T = -(-V // block_v)
+    if block_v <= tmap.block_v:
+        live = live.repeat_interleave(tmap.block_v // block_v, dim=0)[:T]
+    else:
+        r = block_v // tmap.block_v
+        wide = torch.zeros((T * r, R), dtype=torch.bool, device=dev)
+        wide[: live.shape[0]] = live
+        live = wide.view(T, r, R).any(dim=1)
+    # Swizzled order: row-block groups, then tiles, then the blocks of the group.
+    G = max(1, min(group_b, R))
+    RG = -(-R // G) * G
+    grid = torch.zeros((RG, T), dtype=torch.bool, device=dev)
+    grid[:R] = live.T
+    g, t, j = grid.view(RG // G, G, T).permute(0, 2, 1).nonzero(as_tuple=True)
+    return ((g * G + j) * T + t).to(torch.int32)

@@ -1,0 +1,57 @@
+"""Vocabulary orders remembered between calls, one per classifier.
+
+The backward sorts the vocabulary by descending average logit so that the few tiles with any
+gradient cluster.  A training step's classifier is the previous step's plus a small update, so the
+order a backward computed is a good order for the next forward too: walking it, the forward can
+record where the live tiles are (see :mod:`cce_autotune.tile_map`) and the next backward launches
+only those instead of recomputing every tile.
+
+An order is only ever a performance hint: any permutation gives exact results, a stale or foreign
+one only makes more tiles look live.  Orders are keyed by the classifier's storage (device, data
+pointer, shape, dtype), so an optimiser's in-place update keeps the key; at most
+:data:`MAX_ENTRIES` classifiers are remembered (least recently used goes first).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+__all__ = ["lookup", "remember", "clear", "MAX_ENTRIES"]
+
+MAX_ENTRIES = 8
+
+_lock = threading.Lock()
+_orders: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+
+def _key(c: torch.Tensor) -> tuple:
+    return (str(c.device), c.data_ptr(), tuple(c.shape), tuple(c.stride()), c.dtype)
+
+
+def lookup(c: torch.Tensor) -> torch.Tensor | None:
+    """The order (int32 (V,) permutation) last remembered for classifier ``c``, or None."""
+    with _lock:
+        perm = _orders.get(_key(c))
+        if perm is not None:
+            _orders.move_to_end(_key(c))
+        return perm
+
+
+def remember(c: torch.Tensor, perm: torch.Tensor) -> None:
+    """Keep ``perm`` as the vocabulary order of classifier ``c``."""
+    if perm.shape != (c.shape[0],):
+        raise ValueError(f"perm: expected shape ({c.shape[0]},), got {tuple(perm.shape)}")
+    with _lock:
+        _orders[_key(c)] = perm
+        _orders.move_to_end(_key(c))
+        while len(_orders) > MAX_ENTRIES:
+            _orders.popitem(last=False)
+
+
+def clear() -> None:
+    """Forget every remembered order (the next call of each classifier sorts afresh)."""
+    with _lock:
+        _orders.clear()

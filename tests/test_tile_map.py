@@ -1,0 +1,187 @@
+"""The forward's tile map, the backward's live-tile list and the remembered vocabulary orders."""
+
+import math
+
+import pytest
+import torch
+
+from cce_autotune import BackwardVariant, KernelVariants, LSEForwardVariant, kernels, linear_cross_entropy, vocab_order
+from cce_autotune.tile_map import TileMap, live_tiles
+from helpers import grads_of, make_inputs, rel_err
+from test_loss import SMALL, assert_within, prime_order, run_case
+from test_variants import filtered_bound
+
+MAPPED = SMALL.replace(
+    lse_forward=LSEForwardVariant(block_b=16, block_v=32, block_d=16, num_splits=3, group_b=2),
+    backward=BackwardVariant(block_b=16, block_v=16, block_d=16, group_b=2, tile_map=True, strategy="tiles"),
+)
+
+
+def _sorted_perm(e, c):
+    return torch.argsort(c.float() @ e.float().sum(0), descending=True).to(torch.int32)
+
+
+def _forward_map(e, c, t, variant, softcap=None, bias=None, perm=None):
+    rows = kernels.RowLayout.dense(e.shape[0], e.shape[1], e.device)
+    zt = kernels.indexed_dot(e, c, bias, rows, t, softcap, SMALL.indexed_dot)
+    perm = _sorted_perm(e, c) if perm is None else perm
+    lse, _, tmap = kernels.lse_forward(e, c, bias, rows, softcap, variant, perm=perm, zt=zt)
+    return lse, tmap
+
+
+def _true_tile_max(e, c, bias, softcap, perm, block_v):
+    """(tiles, rows) float64: each row's largest logit in each tile of the walked order."""
+    z = e.double() @ c.double().T + (bias.double() if bias is not None else 0)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z[:, perm.long()]
+    T = -(-z.shape[1] // block_v)
+    z = torch.nn.functional.pad(z, (0, T * block_v - z.shape[1]), value=-math.inf)
+    return z.view(z.shape[0], T, block_v).amax(2).T
+
+
+@pytest.mark.parametrize("softcap, with_bias", [(None, False), (6.0, True)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_forward_map_bounds_each_rows_tile_maximum_tightly(softcap, with_bias, num_splits, device):
+    e, c, t, b = make_inputs((45,), 301, 40, torch.float32, bias=with_bias, peaked=1.5, seed=3, device=device)
+    v = LSEForwardVariant(block_b=16, block_v=32, block_d=16, num_splits=num_splits)
+    perm = _sorted_perm(e, c)
+    lse, tmap = _forward_map(e, c, t, v, softcap=softcap, bias=b, perm=perm)
+    assert tmap.q.dtype == torch.int8 and tmap.q.shape == (-(-301 // 32), 45) and tmap.block_v == 32
+    assert tmap.perm is perm
+    zmax = _true_tile_max(e, c, b, softcap, perm, 32)
+    scaled = 8 * (zmax - tmap.zt.double()[None, :]) + 0.5
+    q = tmap.q.double()
+    unsaturated = (scaled > -127) & (scaled < 126)
+    assert unsaturated.float().mean() > 0.5  # the test data exercises the bound, not only the clamps
+    assert bool((q[unsaturated] >= scaled[unsaturated] - 1e-3).all()), "a bound below the tile's maximum"
+    assert bool((q[unsaturated] <= scaled[unsaturated] + 1.001).all()), "a bound looser than one step"
+    assert bool((q[scaled >= 127] == 127).all()) and bool((q[scaled <= -128] <= -127).all())
+    # The walk does not change the LSE.
+    z = e.double() @ c.double().T + (b.double() if b is not None else 0)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    assert rel_err(lse, torch.logsumexp(z, 1)) < 1e-5
+
+
+@pytest.mark.parametrize("fwd_bv, bwd_bb, bwd_bv, group_b", [(32, 16, 16, 1), (32, 16, 64, 4), (16, 32, 32, 2), (64, 64, 16, 8)])
+def test_live_tiles_never_drop_a_live_tile_and_drop_dead_ones(fwd_bv, bwd_bb, bwd_bv, group_b, device):
+    B, V, eps = 77, 301, 2.0**-6
+    e, c, t, _ = make_inputs((B,), V, 40, torch.float32, peaked=4.0, seed=4, device=device)
+    lse, tmap = _forward_map(e, c, t, LSEForwardVariant(block_b=16, block_v=fwd_bv, block_d=16, num_splits=2))
+    ids = live_tiles(tmap, lse, eps, V, bwd_bb, bwd_bv, group_b)
+    assert ids.dtype == torch.int32 and ids.unique().numel() == ids.numel()
+    T, R = -(-V // bwd_bv), -(-B // bwd_bb)
+    # Softmax in the walked order, padded to whole backward tiles.
+    s = torch.softmax(e.double() @ c.double().T, 1)[:, tmap.perm.long()]
+    s = torch.nn.functional.pad(s, (0, T * bwd_bv - V, 0, R * bwd_bb - B))
+    tile_max = s.view(R, bwd_bb, T, bwd_bv).amax((1, 3))
+    listed = torch.zeros(R * T, dtype=torch.bool, device=device)
+    listed[ids.long()] = True
+    listed = listed.view(R, T)
+    assert not bool((tile_max >= eps)[~listed].any()), "a tile with softmax >= eps is missing from the list"
+    assert listed.sum() < R * T, "nothing was dropped on peaked data"
+    # Swizzled order: within a group of row blocks, tiles are walked tile-major.
+    r, n = ids.long() // T, ids.long() % T
+    key = (r // max(1, min(group_b, R))) * (T * R) + n * R + r
+    assert bool((key[1:] > key[:-1]).all())
+
+
+def test_live_tiles_keep_rows_with_nan_or_saturated_bounds(device):
+    q = torch.full((3, 5), -128, dtype=torch.int8, device=device)
+    q[1, 2] = 127  # saturated: no bound
+    zt = torch.zeros(5, device=device)
+    lse = torch.zeros(5, device=device)
+    lse[4] = float("nan")
+    tmap = TileMap(q=q, block_v=16, perm=torch.arange(40, dtype=torch.int32, device=device), zt=zt)
+    ids = live_tiles(tmap, lse, 2.0**-10, 40, 1, 16, 1)
+    assert sorted(ids.tolist()) == sorted([2 * 3 + 1] + [4 * 3 + k for k in range(3)])
+
+
+def test_vocab_order_remembers_per_classifier_and_evicts_the_oldest(device):
+    cs = [torch.zeros(10 + i, 4, device=device) for i in range(vocab_order.MAX_ENTRIES + 1)]
+    for c in cs:
+        vocab_order.remember(c, torch.arange(c.shape[0], dtype=torch.int32, device=device))
+    assert vocab_order.lookup(cs[0]) is None  # evicted
+    assert vocab_order.lookup(cs[-1]) is not None and vocab_order.lookup(cs[-1]).shape == (cs[-1].shape[0],)
+    assert vocab_order.lookup(cs[1][:5]) is None  # a view of other shape is another classifier
+    with pytest.raises(ValueError, match="perm"):
+        vocab_order.remember(cs[1], torch.arange(3, dtype=torch.int32, device=device))
+    vocab_order.clear()
+    assert vocab_order.lookup(cs[-1]) is None
+
+
+def _step(e, c, t, b, kv, **kw):
+    (loss, (ge, gc, gb)) = grads_of(lambda e_, c_, b_: linear_cross_entropy(e_, c_, t, b_, impl="triton", variants=kv, **kw), e, c, b)
+    return loss.detach(), ge, gc, gb
+
+
+def test_second_call_walks_the_remembered_order_and_matches_the_first(device, monkeypatch):
+    # First call: no order yet (sorts in the backward, remembers it). Second call with the same
+    # classifier tensor: the forward walks that order, the backward launches only mapped tiles.
+    e, c, t, b = make_inputs((77,), 301, 40, torch.float32, bias=True, peaked=2.5, seed=6, device=device)
+    c = c.requires_grad_()
+    launched = []
+    real = kernels.backward
+    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (launched.append(k.get("tile_map")), real(*a, **k))[1])
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
+    out = []
+    for _ in range(2):
+        ee, bb = e.clone().requires_grad_(), b.clone().requires_grad_()
+        c.grad = None
+        loss = linear_cross_entropy(ee, c, t, bb, impl="triton", variants=kv, softcap=9.0)
+        loss.backward()
+        out.append((loss.detach(), ee.grad, c.grad.clone(), bb.grad))
+    assert launched[0] is None and launched[1] is not None
+    assert vocab_order.lookup(c) is not None
+    (l0, e0, c0, b0), (l1, e1, c1, b1) = out
+    assert rel_err(l1, l0) < 1e-6
+    # Same filter, same decisions up to targets that now leave their tile: within the filter bound.
+    bde, bdc = filtered_bound(e, c.detach(), t, b, 2.0**-6)
+    assert rel_err(e1, e0) <= 2 * bde + 1e-5 and rel_err(c1, c0) <= 2 * bdc + 1e-5
+
+
+@pytest.mark.parametrize("walk", ["sorted", "random"])
+@pytest.mark.parametrize("eps", [2.0**-12, 2.0**-5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mapped_backward_matches_the_oracle(walk, eps, dtype, device):
+    # Odd shapes, ignored rows, shift, bias, softcap; a stale (random) order is slow, never wrong.
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps))
+    res, (e, c, t, b) = run_case((3, 29), 301, 45, dtype, variants=kv, bias=True, softcap=9.0, shift=1,
+                                 ignore=0.1, peaked=2.0, filter_eps="auto", walk=walk, device=device)
+    bound_de, bound_dc = filtered_bound(e[:, :-1], c, t[:, 1:], b, eps)
+    res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
+    res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
+    res.pop("dbias")
+    assert_within(res)
+
+
+def test_mapped_backward_with_reduction_none_and_lse_gradient(device):
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-14))
+    res, _ = run_case((37,), 301, 45, torch.float32, variants=kv, reduction="none", return_lse=True, bias=True,
+                      filter_eps="auto", walk="sorted", device=device)
+    assert_within(res)
+
+
+def test_map_is_not_made_without_filtering_or_for_forward_only_calls(device):
+    e, c, t, _ = make_inputs((40,), 100, 32, torch.float32, peaked=2.0, device=device)
+    prime_order(c, e, "sorted")
+    seen = []
+    real = kernels.lse_forward
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        seen.append(out[2])
+        return out
+
+    import cce_autotune.loss as loss_mod
+
+    loss_mod.kernels.lse_forward, orig = spy, loss_mod.kernels.lse_forward
+    try:
+        with torch.no_grad():
+            linear_cross_entropy(e, c, t, impl="triton", variants=MAPPED)
+        linear_cross_entropy(e, c.requires_grad_(), t, impl="triton", variants=MAPPED, filter_eps=None).backward()
+        linear_cross_entropy(e, c, t, impl="triton", variants=MAPPED).backward()
+    finally:
+        loss_mod.kernels.lse_forward = orig
+    assert seen[0] is None and seen[1] is None and seen[2] is not None
