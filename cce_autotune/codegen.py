@@ -51,7 +51,6 @@ class Flags:
     has_softcap: bool = False
     even_d: bool = False  # D is a multiple of BLOCK_D: no masks along D
     ieee_dot: bool = False  # fp32 inputs: IEEE fp32 products instead of tf32
-    vocab_stats: bool = False  # forward also accumulates per-vocab logit sums (for sorting)
     dense_rows: bool = False  # row i of the problem is row i of E at stride_eb: no offset table
     rows_aligned: bool = False  # every row offset is a multiple of 8 elements (16-byte vector loads)
     interpret: bool = False  # rendering for the Triton interpreter
@@ -65,7 +64,6 @@ class Flags:
             "HAS_SOFTCAP": self.has_softcap,
             "EVEN_D": self.even_d,
             "IEEE_DOT": self.ieee_dot,
-            "VOCAB_STATS": self.vocab_stats,
             "DENSE_ROWS": self.dense_rows,
             "ROWS_ALIGNED": self.rows_aligned,
             "INTERPRET": self.interpret,

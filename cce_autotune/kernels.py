@@ -89,22 +89,17 @@ def split_plan(n_vocab_tiles: int, num_splits: int) -> int:
     return max(1, min(num_splits, n_vocab_tiles))
 
 
-def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant, vocab_stats: bool = False,
+def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant,
                 perm: torch.Tensor | None = None, zt: torch.Tensor | None = None):
     """Per-row log-sum-exp of the (softcapped) logits, fp32 (n_rows,).
 
-    Returns ``(lse, vocab_sum, tile_map)``:
-
-    - ``vocab_sum`` (with ``vocab_stats``): the per-vocabulary sum of logits over the rows (fp32
-      (V,)), else None;
-    - ``tile_map`` (when ``perm`` and the target logits ``zt`` are given): the vocabulary is walked
-      in the order ``perm`` and the bounds of :class:`~cce_autotune.tile_map.TileMap` are recorded,
-      else None.
+    Returns ``(lse, tile_map)``.  When ``perm`` is given the vocabulary is walked in that order;
+    when the target logits ``zt`` are given too, the bounds of
+    :class:`~cce_autotune.tile_map.TileMap` are recorded (else ``tile_map`` is None).
     """
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
-    vocab_sum = torch.zeros(V, dtype=torch.float32, device=dev) if vocab_stats else None
     record = perm is not None and zt is not None
     n_tiles = triton.cdiv(V, variant.block_v)
     tmap = None
@@ -112,7 +107,7 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant
         tmap = TileMap(q=torch.empty((n_tiles, n_rows), dtype=torch.int8, device=dev), block_v=variant.block_v,
                        perm=perm, zt=zt)
     if n_rows == 0:
-        return torch.empty(0, dtype=torch.float32, device=dev), vocab_sum, tmap
+        return torch.empty(0, dtype=torch.float32, device=dev), tmap
     num_splits = split_plan(n_tiles, variant.num_splits)
     if variant.merge == "buffer":
         out = torch.empty((num_splits, n_rows), dtype=torch.float32, device=dev)
@@ -120,13 +115,13 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant
     else:
         out = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
         locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
-    flags = _flags(e, bias, softcap, variant.block_d, rows, vocab_stats=vocab_stats, walk_perm=perm is not None,
+    flags = _flags(e, bias, softcap, variant.block_d, rows, walk_perm=perm is not None,
                    tile_map=record)
     kernel = load_kernel(variant, flags)
     grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
     kernel[grid](
         e, c, bias if bias is not None else c, rows.offsets, out, locks,
-        vocab_sum if vocab_sum is not None else out, perm if perm is not None else rows.offsets,
+        perm if perm is not None else rows.offsets,
         zt if record else out, tmap.q if record else out,
         n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
         num_splits,
@@ -135,7 +130,7 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     lse = torch.logsumexp(out, dim=0) if variant.merge == "buffer" else out
-    return lse, vocab_sum, tmap
+    return lse, tmap
 
 
 def backward(

@@ -21,7 +21,11 @@ _IMPLS = ("auto", "triton", "torch")
 
 @dataclass
 class _Problem:
-    """Everything about one call that is not a differentiable tensor."""
+    """Everything about one call that is not a differentiable tensor.
+
+    Every predicting position takes part (ignored ones are masked, not compacted out), so that no
+    shape depends on the targets' values and the forward needs no device-to-host copy before its
+    main kernel."""
 
     impl: str  # "triton" | "torch"
     variants: KernelVariants
@@ -29,15 +33,28 @@ class _Problem:
     softcap: float | None
     reduction: str
     pred_shape: torch.Size  # shape of the predicted targets (targets[..., shift:])
-    valid_idx: torch.Tensor  # flat indices (into pred_shape) of rows that are not ignored
-    rows: torch.Tensor  # row index of each valid row in e.reshape(-1, D)
+    valid: torch.Tensor  # (n,) bool: the position's target is not ignore_index
+    rows: torch.Tensor  # row index of each predicting position in e.reshape(-1, D)
     layout: kernels.RowLayout | None  # how the kernels address those rows (Triton path)
-    targets: torch.Tensor  # target of each valid row (int64)
+    targets: torch.Tensor  # (n,) int64 target of each position; 0 where ignored or out of range
+    raw_targets: torch.Tensor  # (n,) the targets as given (for the range check)
+    V: int
     return_lse: bool
 
     @property
-    def n_valid(self) -> int:
+    def n_rows(self) -> int:
         return self.rows.shape[0]
+
+    def check_targets(self) -> None:
+        """Raise on a target outside [0, V) that is not ignore_index (one device-to-host copy; the
+        kernels only ever see in-range targets)."""
+        t = self.raw_targets
+        bad = self.valid & ((t < 0) | (t >= self.V))
+        if self.n_rows and bool(bad.any()):
+            value = t[bad][0].item()
+            raise ValueError(f"targets: value {value} is outside [0, {self.V}) and is not ignore_index={self.ignore_index}")
+
+    ignore_index: int = -100
 
 
 def _grid_offsets(shape, strides, device) -> torch.Tensor:
@@ -152,30 +169,26 @@ def _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, retur
     batch = tuple(e.shape[:-1])
     T = batch[-1]
     pred_shape = torch.Size(batch[:-1] + (T - shift,))
-    pred_targets = targets.narrow(-1, shift, T - shift).reshape(-1)
-    valid = pred_targets != ignore_index
-    valid_idx = valid.nonzero().squeeze(1)
-    tgt = pred_targets[valid_idx].to(torch.int64)
-    if tgt.numel() and bool(((tgt < 0) | (tgt >= V)).any()):
-        bad = tgt[(tgt < 0) | (tgt >= V)][0].item()
-        raise ValueError(f"targets: value {bad} is outside [0, {V}) and is not ignore_index={ignore_index}")
+    raw = targets.narrow(-1, shift, T - shift).reshape(-1)
+    valid = raw != ignore_index
+    tgt = torch.where(valid & (raw >= 0) & (raw < V), raw, 0).to(torch.int64)
     # Row of each prediction in e.reshape(-1, D).
-    rows = _grid_offsets(pred_shape, _contiguous_strides(batch), dev)[valid_idx]
-    layout = _row_layout(e, pred_shape, valid_idx, rows) if impl == "triton" else None
+    rows = _grid_offsets(pred_shape, _contiguous_strides(batch), dev)
+    layout = _row_layout(e, pred_shape, rows) if impl == "triton" else None
     return _Problem(
         impl=impl, variants=kv, filter_eps=eps, softcap=float(softcap) if softcap is not None else None,
-        reduction=reduction, pred_shape=pred_shape, valid_idx=valid_idx, rows=rows, layout=layout,
-        targets=tgt, return_lse=return_lse,
+        reduction=reduction, pred_shape=pred_shape, valid=valid, rows=rows, layout=layout,
+        targets=tgt, raw_targets=raw, V=V, return_lse=return_lse, ignore_index=ignore_index,
     )
 
 
-def _row_layout(e, pred_shape, valid_idx, rows) -> kernels.RowLayout:
-    """Element offsets of the rows taking part, in e's storage and in a contiguous dE."""
+def _row_layout(e, pred_shape, rows) -> kernels.RowLayout:
+    """Element offsets of the predicting rows, in e's storage and in a contiguous dE."""
     D = e.shape[-1]
-    offsets = _grid_offsets(pred_shape, e.stride()[:-1], e.device)[valid_idx]
+    offsets = _grid_offsets(pred_shape, e.stride()[:-1], e.device)
     dense_stride = None
-    if valid_idx.numel() == pred_shape.numel() and pred_shape == e.shape[:-1]:
-        # No ignored rows and no shift: if the batch dims flatten to one stride, skip the table.
+    if pred_shape == e.shape[:-1]:
+        # No shift: if the batch dims flatten to one stride, skip the table.
         try:
             dense_stride = e.view(-1, D).stride(0)
         except RuntimeError:
@@ -188,63 +201,68 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e, c, bias, p: _Problem):
         needs_grad = any(ctx.needs_input_grad[:3])
-        vocab_sum = tmap = None
+        tmap = None
+        sort = False
         if p.impl == "triton":
             kv = p.variants
             bw = kv.backward
             zt = kernels.indexed_dot(e, c, bias, p.layout, p.targets, p.softcap, kv.indexed_dot)
-            sort = needs_grad and bw.sort_vocab and p.filter_eps is not None and p.n_valid > 0
-            # The per-vocab logit sums (V floats) are kept; the sort itself waits for the backward, so
-            # the forward holds no permutation and no argsort scratch.  With the tile map, the forward
-            # walks the order a previous backward left for this classifier and records where the
-            # live tiles are (see tile_map.py).
+            sort = needs_grad and bw.sort_vocab and p.filter_eps is not None and p.n_rows > 0
+            # With the tile map, the forward walks the order a previous backward left for this
+            # classifier and records where the live tiles are (see tile_map.py).
             walk = None
             if sort and bw.tile_map and bw.accum == "fp32" and bw.resolved(p.filter_eps).strategy == "tiles":
                 walk = vocab_order.lookup(c)
-            lse, vocab_sum, tmap = kernels.lse_forward(
-                e, c, bias, p.layout, p.softcap, kv.lse_forward, vocab_stats=sort, perm=walk,
-                zt=zt if walk is not None else None,
+            # The call's one device-to-host copy, just before the main kernel's launch, so that the GPU
+            # does not wait for the host's preparations.
+            p.check_targets()
+            lse, tmap = kernels.lse_forward(
+                e, c, bias, p.layout, p.softcap, kv.lse_forward, perm=walk, zt=zt if walk is not None else None,
             )
         else:
+            p.check_targets()
             lse, zt = reference.forward(e, c, bias, p.rows, p.targets, p.softcap)
         # torch's cross_entropy gives NaN for a row whose logits hold +inf (or are all -inf).
         loss_v = torch.where(torch.isfinite(lse), lse - zt, float("nan")).float()
+        loss_v = torch.where(p.valid, loss_v, 0.0)
         lse_v = lse.float()
         ctx.problem = p
-        ctx.vocab_sum = vocab_sum
+        ctx.sort = sort
         ctx.tile_map = tmap
         ctx.save_for_backward(e, c, bias, lse_v)
-        n = p.n_valid
         if p.reduction == "none":
-            loss = _scatter(loss_v, p)
+            loss = loss_v.view(p.pred_shape)
         elif p.reduction == "sum":
             loss = loss_v.sum()
         else:
-            loss = loss_v.sum() / n if n else torch.full((), float("nan"), device=e.device)
-        lse_out = _scatter(lse_v, p) if p.return_lse else None
+            loss = loss_v.sum() / p.valid.sum()  # 0 / 0 = NaN when every target is ignored, as torch
+        lse_out = torch.where(p.valid, lse_v, 0.0).view(p.pred_shape) if p.return_lse else None
         return loss, lse_out
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
         p: _Problem = ctx.problem
         e, c, bias, lse_v = ctx.saved_tensors
-        n = p.n_valid
+        n = p.n_rows
         if n == 0:
             return (torch.zeros_like(e), torch.zeros_like(c), torch.zeros_like(bias) if bias is not None else None, None)
+        valid = p.valid.float()
         if grad_loss is None:
             coef_t = torch.zeros(n, dtype=torch.float32, device=e.device)
         elif p.reduction == "none":
-            coef_t = grad_loss.reshape(-1).float()[p.valid_idx]
+            coef_t = grad_loss.reshape(-1).float() * valid
         else:
-            scale = grad_loss.float() / (n if p.reduction == "mean" else 1)
-            coef_t = scale.expand(n).contiguous()
-        coef_s = coef_t + grad_lse.reshape(-1).float()[p.valid_idx] if grad_lse is not None else coef_t
+            scale = grad_loss.float() / (p.valid.sum().clamp(min=1) if p.reduction == "mean" else 1)
+            coef_t = scale * valid
+        coef_s = coef_t + grad_lse.reshape(-1).float() * valid if grad_lse is not None else coef_t
         coef_s = coef_s.contiguous()
+        # Ignored positions: an infinite LSE makes their softmax (and so their gradient) zero.
+        lse_v = torch.where(p.valid, lse_v, float("inf"))
         if p.impl == "triton":
             perm = None
             tmap = ctx.tile_map
-            if ctx.vocab_sum is not None:
-                perm = torch.argsort(ctx.vocab_sum, descending=True).to(torch.int32)
+            if ctx.sort:
+                perm = _vocab_order(e, c, bias, p)
                 if p.variants.backward.tile_map:
                     vocab_order.remember(c, perm)  # the next forward of this classifier walks it
             if tmap is not None:
@@ -264,10 +282,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return de, dc, dbias, None
 
 
-def _scatter(values_v: torch.Tensor, p: _Problem) -> torch.Tensor:
-    out = torch.zeros(p.pred_shape.numel(), dtype=values_v.dtype, device=values_v.device)
-    out[p.valid_idx] = values_v
-    return out.view(p.pred_shape)
+def _vocab_order(e, c, bias, p: _Problem) -> torch.Tensor:
+    """The vocabulary by descending average logit over the call's (non-ignored) rows: the backward's
+    sorting key.  The sum of e over the rows times C is one matrix-vector product (softcap, being
+    monotonic, is left out of the key)."""
+    D = e.shape[-1]
+    e2 = e.reshape(-1, D)
+    rows = e2 if p.layout is not None and p.layout.dense_stride is not None and e2.shape[0] == p.n_rows else e2[p.rows]
+    mean = (p.valid.to(e.dtype) @ rows) / max(1, p.n_rows)
+    key = torch.mv(c, mean.to(c.dtype)).float()
+    if bias is not None:
+        key = key + bias.float()
+    return torch.argsort(key, descending=True).to(torch.int32)
 
 
 def linear_cross_entropy(

@@ -343,13 +343,12 @@ class GPUBackend(Backend):
                                                 variants.indexed_dot)), None
         if kernel == "lse_forward":
             bw = variants.backward
-            stats = bw.sort_vocab and bw.filter_eps is not None
             walk = zt = None
-            if stats and bw.tile_map and bw.accum == "fp32" and bw.resolved(bw.filter_eps).strategy == "tiles":
+            if bw.sort_vocab and bw.filter_eps is not None and bw.tile_map and bw.accum == "fp32" and bw.resolved(bw.filter_eps).strategy == "tiles":
                 # As in a training step: walk a sorted order and record the tile map.
                 walk, zt = self._reference("walk", problem), self._reference("ref_zt", problem)
             return (lambda: kernels.lse_forward(d["e"], d["c"], d["bias"], d["rows"], d["softcap"],
-                                                variants.lse_forward, vocab_stats=stats, perm=walk, zt=zt)), None
+                                                variants.lse_forward, perm=walk, zt=zt)), None
         leaves = [d["e"].detach().requires_grad_(), d["c"].detach().requires_grad_()]
         if d["bias"] is not None:
             leaves.append(d["bias"].detach().requires_grad_())

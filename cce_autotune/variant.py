@@ -236,7 +236,7 @@ class BackwardVariant(_TiledVariant):
     num_locks: int = 64
     strategy: str = "auto"
     chunk_v: int = 4096
-    tile_map: bool = False
+    tile_map: bool = True
 
     @property
     def template(self) -> str:

@@ -20,7 +20,7 @@ ALL = [IndexedDotVariant(), LSEForwardVariant(), LSEForwardVariant(merge="lock")
 
 
 @pytest.mark.parametrize("variant", ALL, ids=lambda v: v.kernel)
-@pytest.mark.parametrize("flags", [Flags(), Flags(has_bias=True, has_softcap=True, even_d=True, ieee_dot=True, vocab_stats=True)])
+@pytest.mark.parametrize("flags", [Flags(), Flags(has_bias=True, has_softcap=True, even_d=True, ieee_dot=True, walk_perm=True, tile_map=True)])
 def test_every_variant_renders_to_valid_python(variant, flags):
     src = render_source(variant, flags)
     compile(src, "<rendered>", "exec")
