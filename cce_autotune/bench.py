@@ -2,7 +2,9 @@
 
 ``python -m cce_autotune.bench`` (console script ``cce-bench``) runs, in one process on one GPU and
 for each shape: one cuBLAS E·Cᵀ (the floor), PyTorch (logits + F.cross_entropy), cce_autotune as
-dispatched, with the built-in default variants and in exact mode, and - when importable - Apple's
+dispatched (steady state: the same classifier every call, as in training, so the remembered vocabulary
+order and the tile map are used), as dispatched but with every call a first call (``cce_autotune_cold``),
+with the built-in default variants and in exact mode, and - when importable - Apple's
 ``cut-cross-entropy`` (CCE and exact) and ``liger-kernel``'s fused linear cross-entropy. For each it
 records forward and forward+backward median times (triton.testing.do_bench, which flushes L2 between
 repetitions), the peak extra memory, and loss/gradient errors against a float32 reference, and
@@ -25,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from . import reference
+from . import reference, vocab_order
 from .data import make_data
 from .dispatch import default_variants
 from .loss import linear_cross_entropy
@@ -74,6 +76,8 @@ def _methods(include_peers: bool) -> list[Method]:
     ms = [
         Method("torch", lambda e, c, t: torch.nn.functional.cross_entropy((e @ c.T).float(), t)),
         Method("cce_autotune", lambda e, c, t: linear_cross_entropy(e, c, t)),
+        # Every call as the first call of its classifier: no remembered vocabulary order, no tile map.
+        Method("cce_autotune_cold", lambda e, c, t: (vocab_order.clear(), linear_cross_entropy(e, c, t))[1]),
         Method("cce_autotune_default", lambda e, c, t: linear_cross_entropy(e, c, t, variants=default_variants(e.element_size()))),
         Method("cce_autotune_exact", lambda e, c, t: linear_cross_entropy(e, c, t, filter_eps=None)),
     ]
@@ -129,7 +133,9 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print) -> lis
         try:
             ee = e.detach().clone().requires_grad_()
             cc = c.detach().clone().requires_grad_()
-            loss = m.loss(ee, cc, t)
+            m.loss(ee, cc, t).backward()  # a first step (what a training loop's later steps reuse)
+            ee.grad = cc.grad = None
+            loss = m.loss(ee, cc, t)  # errors of a steady-state step
             loss.backward()
             err = dict(err_loss=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
                        err_de=_rel(ee.grad, ref_de), err_dc=_rel(cc.grad, ref_dc))
