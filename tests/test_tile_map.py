@@ -185,3 +185,21 @@ def test_map_is_not_made_without_filtering_or_for_forward_only_calls(device):
     finally:
         loss_mod.kernels.lse_forward = orig
     assert seen[0] is None and seen[1] is None and seen[2] is not None
+
+
+@pytest.mark.parametrize("strategy, flat", [("auto", True), ("auto", False), ("tiles", True)])
+def test_auto_strategy_takes_chunks_when_the_map_leaves_most_tiles_live(strategy, flat, device, monkeypatch):
+    # Flat softmax: nearly every tile is live, so "auto" switches to the chunked strategy; peaked data
+    # (or an explicit "tiles") keeps the tile kernel. Results are correct either way.
+    chunked = []
+    real = kernels._backward_chunked
+    monkeypatch.setattr(kernels, "_backward_chunked", lambda *a, **k: (chunked.append(1), real(*a, **k))[1])
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-12 if flat else 2.0**-5, strategy=strategy))
+    res, (e, c, t, b) = run_case((61,), 1024, 45, torch.float32, variants=kv, bias=True, peaked=0.0 if flat else 3.0,
+                                 filter_eps="auto", walk="sorted", device=device)
+    assert bool(chunked) == (strategy == "auto" and flat)
+    bound_de, bound_dc = filtered_bound(e, c, t, b, kv.backward.filter_eps)
+    res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
+    res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
+    res.pop("dbias")
+    assert_within(res)
