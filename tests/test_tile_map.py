@@ -195,7 +195,7 @@ def test_auto_strategy_takes_chunks_when_the_map_leaves_most_tiles_live(strategy
     real = kernels._backward_chunked
     monkeypatch.setattr(kernels, "_backward_chunked", lambda *a, **k: (chunked.append(1), real(*a, **k))[1])
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-12 if flat else 2.0**-5, strategy=strategy))
-    res, (e, c, t, b) = run_case((61,), 1024, 45, torch.float32, variants=kv, bias=True, peaked=0.0 if flat else 3.0,
+    res, (e, c, t, b) = run_case((61,), 1024, 45, torch.float32, variants=kv, bias=True, peaked=0.0 if flat else 2.0,
                                  filter_eps="auto", walk="sorted", device=device)
     assert bool(chunked) == (strategy == "auto" and flat)
     bound_de, bound_dc = filtered_bound(e, c, t, b, kv.backward.filter_eps)
