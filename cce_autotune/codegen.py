@@ -34,7 +34,7 @@ __all__ = ["Flags", "render_source", "load_kernel", "template_hash", "interpreti
 TEMPLATE_FILES = {
     "indexed_dot": ("indexed_dot.py.j2",),
     "lse_forward": ("lse_forward.py.j2",),
-    "backward": ("backward.py.j2", "backward_chunked.py.j2"),
+    "backward": ("backward.py.j2", "backward_chunked.py.j2", "backward_sparse.py.j2"),
 }
 
 
@@ -142,8 +142,9 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def load_kernel(variant: _Variant, flags: Flags = Flags()):
-    """Render (once), cache on disk (once) and import the kernel; returns the ``@triton.jit`` function."""
+def load_kernel(variant: _Variant, flags: Flags = Flags(), name: str | None = None):
+    """Render (once), cache on disk (once) and import the kernel; returns the ``@triton.jit`` function
+    (``variant.kernel_function``, or ``name`` for templates that hold several kernels)."""
     key = (variant, flags)
     mod = _modules.get(key)
     if mod is None:
@@ -152,7 +153,7 @@ def load_kernel(variant: _Variant, flags: Flags = Flags()):
             if mod is None:
                 mod = _import(variant, flags)
                 _modules[key] = mod
-    return getattr(mod, variant.kernel_function)
+    return getattr(mod, name or variant.kernel_function)
 
 
 def _import(variant: _Variant, flags: Flags) -> ModuleType:

@@ -16,11 +16,15 @@ from .codegen import Flags, interpreting, load_kernel
 from .tile_map import TileMap, live_tiles
 from .variant import BackwardVariant, IndexedDotVariant, LSEForwardVariant
 
-__all__ = ["RowLayout", "indexed_dot", "lse_forward", "backward", "AUTO_CHUNKED_SHARE"]
+__all__ = ["RowLayout", "indexed_dot", "lse_forward", "backward", "AUTO_CHUNKED_SHARE", "AUTO_WITH_MAP"]
 
 # strategy="auto" with a tile map: above this share of live tiles the chunked strategy is used (on an
 # H200 the tile kernel with every tile live costs about 8x a matmul, the chunked one about 3.6x).
 AUTO_CHUNKED_SHARE = 0.4
+# What strategy="auto" runs with a tile map below that share.
+AUTO_WITH_MAP = "sparse"
+# Shared memory the sparse strategy's dE / dC passes may fill with pipeline stages.
+_SPARSE_SMEM = 200 * 1024
 
 
 @dataclass
@@ -155,14 +159,23 @@ def backward(
     # The variant as launched: strategy decided, filter and sorting as this call has them.
     auto = variant.strategy == "auto"
     variant = variant.resolved(filter_eps).replace(filter_eps=filter_eps, sort_vocab=perm is not None)
+    if tile_map is None and variant.strategy == "sparse":
+        variant = variant.replace(strategy="tiles")  # no map (a classifier's first call): every tile
     tiles = None
-    if tile_map is not None and rows.n > 0 and variant.strategy == "tiles":
-        tiles = live_tiles(tile_map, lse, filter_eps, c.shape[0], variant.block_b, variant.block_v, variant.group_b)
+    if tile_map is not None and rows.n > 0 and variant.strategy in ("tiles", "sparse"):
+        if auto:
+            variant = variant.replace(strategy=AUTO_WITH_MAP)
+        sparse = variant.strategy == "sparse"
+        tiles = live_tiles(tile_map, lse, filter_eps, c.shape[0], variant.block_b, variant.block_v,
+                           1 if sparse else variant.group_b, swizzle=not sparse)
         total = triton.cdiv(rows.n, variant.block_b) * triton.cdiv(c.shape[0], variant.block_v)
         if auto and tiles.numel() > AUTO_CHUNKED_SHARE * total:
             # Most tiles are live (flat softmax): the chunked strategy's cuBLAS products beat the
             # tile kernel's atomics; its own filter still skips negligible chunks.
             variant, tile_map = variant.replace(strategy="chunked"), None
+        elif sparse:
+            return _backward_sparse(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, perm, softcap,
+                                    variant, tiles, tile_map)
     if variant.strategy == "chunked":
         return _backward_chunked(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant)
     n_rows, D = rows.n, e.shape[-1]
@@ -222,6 +235,66 @@ def _add_target_terms(e, c, rows: RowLayout, targets, zt, coef_t, softcap, de32,
         dc32.index_add_(0, t, e2[row_idx[sl]].float() * -wk)
     if dbias is not None:
         dbias.index_add_(0, targets, -w)
+
+
+def _backward_sparse(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, perm, softcap,
+                     variant: BackwardVariant, tiles: torch.Tensor, tile_map: TileMap):
+    """The ``strategy="sparse"`` backward (see backward_sparse.py.j2): ``tiles`` are the live tile ids
+    in row-major order."""
+    n, D = rows.n, e.shape[-1]
+    V = c.shape[0]
+    dev = e.device
+    BB, BV, BDO = variant.block_b, variant.block_v, variant.out_block_d
+    R, T = triton.cdiv(n, BB), triton.cdiv(V, BV)
+    ids = tiles.long()
+    n_live = ids.numel()
+    flags = _flags(e, bias, softcap, variant.block_d, rows)
+    # Phase 1: the live tiles' gradients (softmax part), block k of G for tile tiles[k].
+    g_buf = torch.empty((max(n_live, 1), BB, BV), dtype=e.dtype, device=dev)
+    dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+    if n_live:
+        load_kernel(variant, flags)[(n_live,)](
+            e, c, bias if bias is not None else c, rows.offsets, lse, coef_s, perm, tiles, g_buf,
+            dbias if dbias is not None else lse,
+            n, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
+            BLOCK_B=BB, BLOCK_V=BV, BLOCK_D=variant.block_d,
+            num_warps=variant.num_warps, num_stages=variant.num_stages,
+        )
+    # Row-major (CSR) and column-major (CSC) views of the live tiles, and the rows by target tile.
+    def ptr(keys, size):
+        p = torch.zeros(size + 1, dtype=torch.int32, device=dev)
+        p[1:] = torch.cumsum(torch.bincount(keys, minlength=size), 0)
+        return p
+
+    row_ptr = ptr(ids // T, R)
+    col_ptr = ptr(ids % T, T)
+    col_idx = torch.argsort((ids % T) * R + ids // T).to(torch.int32)
+    w = coef_t.float()
+    if softcap is not None:
+        w = w * (1.0 - (tile_map.zt.float() / float(softcap)) ** 2)
+    tgt_tile = target_pos.long() // BV
+    tgt_rows = torch.argsort(tgt_tile).to(torch.int32)
+    tgt_ptr = ptr(tgt_tile, T)
+    # Phase 2: dE per row block, dC per vocabulary tile, each written once.
+    per_stage = (BB * BV + max(BB, BV) * BDO) * e.element_size()
+    stages = max(1, min(variant.num_stages, _SPARSE_SMEM // per_stage))
+    de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
+    dc = torch.empty(c.shape, dtype=c.dtype, device=dev)
+    n_d = triton.cdiv(D, BDO)
+    load_kernel(variant, flags, "cce_sparse_de_kernel")[(R, n_d)](
+        c, perm, tiles, row_ptr, g_buf, targets, w, de, rows.de_offsets,
+        n, V, D, c.stride(0), c.stride(1),
+        BLOCK_B=BB, BLOCK_V=BV, BLOCK_DO=BDO, num_warps=variant.num_warps, num_stages=stages,
+    )
+    load_kernel(variant, flags, "cce_sparse_dc_kernel")[(T, n_d)](
+        e, rows.offsets, perm, tiles, col_ptr, col_idx, g_buf, tgt_rows, tgt_ptr, target_pos, w, dc,
+        n, V, D, rows.stride, e.stride(-1), dc.stride(0),
+        BLOCK_B=BB, BLOCK_V=BV, BLOCK_DO=BDO, num_warps=variant.num_warps, num_stages=stages,
+    )
+    if dbias is not None:
+        dbias.index_add_(0, targets, -w)
+        dbias = dbias.to(bias.dtype)
+    return de, dc, dbias
 
 
 _FP32_OUT_MM: list = []  # the way _add_matmul_fp32 found to work, decided on its first CUDA call

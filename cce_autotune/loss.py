@@ -211,7 +211,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # With the tile map, the forward walks the order a previous backward left for this
             # classifier and records where the live tiles are (see tile_map.py).
             walk = None
-            if sort and bw.tile_map and bw.accum == "fp32" and bw.resolved(p.filter_eps).strategy == "tiles":
+            if sort and bw.uses_tile_map(p.filter_eps):
                 walk = vocab_order.lookup(c)
             # The call's one device-to-host copy, just before the main kernel's launch, so that the GPU
             # does not wait for the host's preparations.

@@ -38,10 +38,11 @@ class TileMap:
 
 
 def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int,
-               group_b: int) -> torch.Tensor:
+               group_b: int, swizzle: bool = True) -> torch.Tensor:
     """int32 ids ``pid_b * ceil(V / block_v) + pid_n`` of the backward's (block_b x block_v) tiles
-    that may hold a softmax value >= ``filter_eps``, in the swizzled order of the full grid (groups
-    of ``group_b`` row blocks, walked tile-major), so that neighbouring programs share C tiles."""
+    that may hold a softmax value >= ``filter_eps``: in the swizzled order of the full grid (groups
+    of ``group_b`` row blocks, walked tile-major, so that neighbouring programs share C tiles), or
+    with ``swizzle=False`` in row-major order (ascending ids)."""
     q = tmap.q
     n = q.shape[1]
     dev = q.device
@@ -63,6 +64,8 @@ def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, bloc
         wide = torch.zeros((T * r, R), dtype=torch.bool, device=dev)
         wide[: live.shape[0]] = live
         live = wide.view(T, r, R).any(dim=1)
+    if not swizzle:
+        return live.T.flatten().nonzero().squeeze(1).to(torch.int32)
     # Swizzled order: row-block groups, then tiles, then the blocks of the group.
     G = max(1, min(group_b, R))
     RG = -(-R // G) * G

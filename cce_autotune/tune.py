@@ -344,7 +344,7 @@ class GPUBackend(Backend):
         if kernel == "lse_forward":
             bw = variants.backward
             walk = zt = None
-            if bw.sort_vocab and bw.filter_eps is not None and bw.tile_map and bw.accum == "fp32" and bw.resolved(bw.filter_eps).strategy == "tiles":
+            if bw.uses_tile_map(bw.filter_eps):
                 # As in a training step: walk a sorted order and record the tile map.
                 walk, zt = self._reference("walk", problem), self._reference("ref_zt", problem)
             return (lambda: kernels.lse_forward(d["e"], d["c"], d["bias"], d["rows"], d["softcap"],

@@ -220,7 +220,14 @@ class BackwardVariant(_TiledVariant):
       to a small buffer and two cuBLAS products form dC[chunk] = g^T E (one rounding) and
       dE += g C[chunk] (fp32 accumulation): no atomics, at the price of that buffer and an fp32
       dE. With filtering, chunks whose softmax stays below filter_eps skip the products.
-      ``"auto"``: chunked for exact gradients (where tiles would all be live), tiles otherwise.
+      ``"sparse"`` (needs the tile map; without one it runs as ``"tiles"``): a kernel writes the
+      gradients of the live tiles only to a compact buffer, then one kernel forms each row block's
+      dE and one each vocabulary tile's dC from it (plus the target terms), written once in the
+      input dtype: no atomics and no fp32 scratch, at the price of the buffer (live tiles x
+      block_b x block_v elements); ``out_block_d`` is the D width of those two passes.
+      ``"auto"``: chunked for exact gradients (where tiles would all be live); when filtering,
+      with a tile map: chunked if more than 40% of the tiles are live, else sparse; without one,
+      tiles.
     - ``tile_map``: (filtered tiles strategy with fp32 accumulation) the forward walks the
       vocabulary in the order the previous backward of the same classifier sorted it into and
       records, per row and tile, a bound on the largest logit (one byte each); the backward then
@@ -237,20 +244,26 @@ class BackwardVariant(_TiledVariant):
     strategy: str = "auto"
     chunk_v: int = 4096
     tile_map: bool = True
+    out_block_d: int = 128
 
     @property
     def template(self) -> str:
-        return "backward_chunked.py.j2" if self.strategy == "chunked" else "backward.py.j2"
+        return {"chunked": "backward_chunked.py.j2", "sparse": "backward_sparse.py.j2"}.get(self.strategy, "backward.py.j2")
 
     @property
     def kernel_function(self) -> str:
-        return "cce_grad_chunk_kernel" if self.strategy == "chunked" else "cce_backward_kernel"
+        return {"chunked": "cce_grad_chunk_kernel", "sparse": "cce_sparse_grad_kernel"}.get(self.strategy, "cce_backward_kernel")
 
     def resolved(self, filter_eps: float | None) -> "BackwardVariant":
         """This variant with ``strategy="auto"`` decided for ``filter_eps``."""
         if self.strategy != "auto":
             return self
         return self.replace(strategy="chunked" if filter_eps is None else "tiles")
+
+    def uses_tile_map(self, filter_eps: float | None) -> bool:
+        """Whether a call with ``filter_eps`` has the forward record the tile map for this variant."""
+        return (self.tile_map and self.sort_vocab and filter_eps is not None and self.accum == "fp32"
+                and self.resolved(filter_eps).strategy in ("tiles", "sparse"))
 
     def _validate_own(self) -> None:
         super()._validate_own()
@@ -263,7 +276,8 @@ class BackwardVariant(_TiledVariant):
             raise VariantError(f"sort_vocab={self.sort_vocab!r}: must be true or false")
         _check_choice("accum", self.accum, ("fp32", "native"))
         _check_pow2("num_locks", self.num_locks, 1, 4096)
-        _check_choice("strategy", self.strategy, ("auto", "tiles", "chunked"))
+        _check_choice("strategy", self.strategy, ("auto", "tiles", "chunked", "sparse"))
+        _check_pow2("out_block_d", self.out_block_d, 16, 256)
         _check_pow2("chunk_v", self.chunk_v, 16, 65536)
         if not isinstance(self.tile_map, bool):
             raise VariantError(f"tile_map={self.tile_map!r}: must be true or false")
@@ -274,6 +288,7 @@ class BackwardVariant(_TiledVariant):
         # the (block_b x block_v) gradient tile staged twice (as itself and transposed, for the dE
         # and dC dots) plus one E and one C chunk per stage.
         grad = (2 * self.block_b * self.block_v + (self.block_b + self.block_v) * self.block_d * self.num_stages) * elem_bytes
+        # (The sparse strategy's dE / dC passes take as many of num_stages as fit: not counted.)
         return max(recompute, grad) + 1024
 
 

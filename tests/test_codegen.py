@@ -16,7 +16,8 @@ from cce_autotune.variant import (
 
 ALL = [IndexedDotVariant(), LSEForwardVariant(), LSEForwardVariant(merge="lock"), BackwardVariant(strategy="tiles"),
        BackwardVariant(accum="native", filter_eps=None, sort_vocab=False, strategy="tiles"),
-       BackwardVariant(strategy="chunked"), BackwardVariant(strategy="chunked", filter_eps=None, sort_vocab=False)]
+       BackwardVariant(strategy="chunked"), BackwardVariant(strategy="chunked", filter_eps=None, sort_vocab=False),
+       BackwardVariant(strategy="sparse")]
 
 
 @pytest.mark.parametrize("variant", ALL, ids=lambda v: v.kernel)
