@@ -21,8 +21,8 @@ def main(names, reps=60):
     counts = []
     real_live = tile_map.live_tiles
 
-    def counting(tmap, lse, eps, V, bb, bv, gb):
-        ids = real_live(tmap, lse, eps, V, bb, bv, gb)
+    def counting(tmap, lse, eps, V, bb, bv, gb, swizzle=True):
+        ids = real_live(tmap, lse, eps, V, bb, bv, gb, swizzle=swizzle)
         counts.append((ids.numel(), -(-lse.numel() // bb) * -(-V // bv)))
         return ids
 
@@ -34,8 +34,11 @@ def main(names, reps=60):
         kv0 = select_variants(e, c)
         floor = time_ms(lambda: e @ c.T, rep=reps)[1]
         print(f"{name}: matmul {floor:.2f} ms; variants {kv0.backward.to_dict()}", flush=True)
-        for label, kv in (("plain", kv0), ("map", kv0.replace(backward=kv0.backward.replace(tile_map=True))),
-                          ("map_eps14", kv0.replace(backward=kv0.backward.replace(tile_map=True, filter_eps=2.0**-14)))):
+        bw = kv0.backward
+        for label, kv in (("tiles", kv0.replace(backward=bw.replace(strategy="tiles"))),
+                          ("sparse", kv0.replace(backward=bw.replace(strategy="sparse"))),
+                          ("sparse64", kv0.replace(backward=bw.replace(strategy="sparse", out_block_d=64))),
+                          ("sparse_s2", kv0.replace(backward=bw.replace(strategy="sparse", num_stages=2)))):
             vocab_order.clear()
             ee = e.detach().clone().requires_grad_()
             cc = c.detach().clone().requires_grad_()
@@ -58,16 +61,6 @@ def main(names, reps=60):
                   f"{mem_fw:.1f} MiB  fw+bw {t_fb:.2f} ({t_fb / floor:.2f}x) {mem_fb:.0f} MiB  {live}  {err}", flush=True)
             del ee, cc, loss
             torch.cuda.empty_cache()
-        # LSE kernel alone: plain / with vocab stats / walking a perm + map
-        rows = kernels.RowLayout.dense(B, D, "cuda")
-        lv = kv0.lse_forward
-        zt = kernels.indexed_dot(e, c, None, rows, t, None, kv0.indexed_dot)
-        perm = torch.argsort(c.float() @ e.float().sum(0), descending=True).to(torch.int32)
-        for label, kw in (("lse", {}), ("lse+walk+map", dict(perm=perm, zt=zt)), ("lse+walk", dict(perm=perm))):
-            ms = time_ms(lambda: kernels.lse_forward(e, c, None, rows, None, lv, **kw), rep=reps)[1]
-            print(f"{name} {label:20s} {ms:.2f} ms ({ms / floor:.3f}x)", flush=True)
-        ms = time_ms(lambda: kernels.indexed_dot(e, c, None, rows, t, None, kv0.indexed_dot), rep=reps)[1]
-        print(f"{name} indexed_dot          {ms:.3f} ms", flush=True)
         del e, c, t, ref_de, ref_dc
         torch.cuda.empty_cache()
 
