@@ -22,9 +22,9 @@ def main(names, reps=60):
     real_live = tile_map.live_tiles
 
     def counting(tmap, lse, eps, V, bb, bv, gb, swizzle=True):
-        ids = real_live(tmap, lse, eps, V, bb, bv, gb, swizzle=swizzle)
+        ids, grid = real_live(tmap, lse, eps, V, bb, bv, gb, swizzle=swizzle)
         counts.append((ids.numel(), -(-lse.numel() // bb) * -(-V // bv)))
-        return ids
+        return ids, grid
 
     kernels.live_tiles = counting
     for name in names:

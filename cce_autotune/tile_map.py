@@ -38,11 +38,12 @@ class TileMap:
 
 
 def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int,
-               group_b: int, swizzle: bool = True) -> torch.Tensor:
-    """int32 ids ``pid_b * ceil(V / block_v) + pid_n`` of the backward's (block_b x block_v) tiles
-    that may hold a softmax value >= ``filter_eps``: in the swizzled order of the full grid (groups
-    of ``group_b`` row blocks, walked tile-major, so that neighbouring programs share C tiles), or
-    with ``swizzle=False`` in row-major order (ascending ids)."""
+               group_b: int, swizzle: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, live)``: int32 ids ``pid_b * ceil(V / block_v) + pid_n`` of the backward's
+    (block_b x block_v) tiles that may hold a softmax value >= ``filter_eps``, in the swizzled order
+    of the full grid (groups of ``group_b`` row blocks, walked tile-major, so that neighbouring
+    programs share C tiles), or with ``swizzle=False`` in row-major order (ascending ids); and
+    ``live``, the same set as a (row blocks, tiles) bool grid."""
     q = tmap.q
     n = q.shape[1]
     dev = q.device
@@ -65,11 +66,11 @@ def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, bloc
         wide[: live.shape[0]] = live
         live = wide.view(T, r, R).any(dim=1)
     if not swizzle:
-        return live.T.flatten().nonzero().squeeze(1).to(torch.int32)
+        return live.T.flatten().nonzero().squeeze(1).to(torch.int32), live.T
     # Swizzled order: row-block groups, then tiles, then the blocks of the group.
     G = max(1, min(group_b, R))
     RG = -(-R // G) * G
     grid = torch.zeros((RG, T), dtype=torch.bool, device=dev)
     grid[:R] = live.T
     g, t, j = grid.view(RG // G, G, T).permute(0, 2, 1).nonzero(as_tuple=True)
-    return ((g * G + j) * T + t).to(torch.int32)
+    return ((g * G + j) * T + t).to(torch.int32), live.T

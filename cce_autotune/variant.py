@@ -226,7 +226,7 @@ class BackwardVariant(_TiledVariant):
       input dtype: no atomics and no fp32 scratch, at the price of the buffer (live tiles x
       block_b x block_v elements); ``out_block_d`` is the D width of those two passes.
       ``"auto"``: chunked for exact gradients (where tiles would all be live); when filtering,
-      with a tile map: chunked if more than 40% of the tiles are live, else sparse; without one,
+      with a tile map: chunked if more than 40% of the tiles are live, else tiles; without one,
       tiles.
     - ``tile_map``: (filtered tiles strategy with fp32 accumulation) the forward walks the
       vocabulary in the order the previous backward of the same classifier sorted it into and
