@@ -212,7 +212,11 @@ def test_exact_request_lets_a_tuned_backward_follow_exactness(monkeypatch, devic
     exact = loss_mod._prepare(e, c, t, None, -100, None, "mean", 0, False, None, "triton", None)
     assert exact.variants.backward.strategy == "auto" and exact.variants.backward.resolved(None).strategy == "chunked"
     filtered = loss_mod._prepare(e, c, t, None, -100, None, "mean", 0, False, "auto", "triton", None)
-    assert filtered.variants.backward.strategy == "tiles"
+    assert filtered.variants.backward.strategy == "auto"  # tiles, or chunked when the map shows most tiles live
+    monkeypatch.setattr(dispatch, "select_variants", lambda e, c, **kw: tuned.replace(backward=tuned.backward.replace(tile_map=False)))
+    unmapped = loss_mod._prepare(e, c, t, None, -100, None, "mean", 0, False, "auto", "triton", None)
+    assert unmapped.variants.backward.strategy == "tiles"
+    monkeypatch.setattr(dispatch, "select_variants", lambda e, c, **kw: tuned)
     explicit = loss_mod._prepare(e, c, t, None, -100, None, "mean", 0, False, None, "triton", tuned)
     assert explicit.variants.backward.strategy == "tiles"
     out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, filter_eps=None, impl="triton"), e, c)
