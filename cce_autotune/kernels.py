@@ -153,10 +153,15 @@ def backward(
     ``softmax * coef_s[i] - onehot * coef_t[i]`` (times the softcap derivative).
     ``filter_eps=None``: exact.
 
-    With a forward's ``tile_map`` (filtered, tiles strategy, fp32 accumulation), ``perm`` must be the
-    order that forward walked and ``targets`` the vocabulary index of each row's target: only the
-    tiles the map marks live are launched and the onehot term is added here.
+    With a forward's ``tile_map`` (filtered, fp32 accumulation), ``perm`` must be the order that
+    forward walked and ``targets`` the vocabulary index of each row's target: the tiles and sparse
+    strategies launch only the tiles the map leaves live, and the onehot term of a row whose target
+    tile is not among them is added outside the kernels; ``strategy="auto"`` takes the chunked
+    strategy instead when more than :data:`AUTO_CHUNKED_SHARE` of the tiles are live.
     """
+    if tile_map is not None and (filter_eps is None or variant.accum == "native" or targets is None
+                                 or perm is not tile_map.perm):
+        raise ValueError("tile_map: needs filtering, accum='fp32', the targets and the order the forward walked")
     # The variant as launched: strategy decided, filter and sorting as this call has them.
     auto = variant.strategy == "auto"
     variant = variant.resolved(filter_eps).replace(filter_eps=filter_eps, sort_vocab=perm is not None)
@@ -188,8 +193,6 @@ def backward(
     dev = e.device
     native = variant.accum == "native"
     use_map = tile_map is not None and n_rows > 0
-    if use_map and (filter_eps is None or native or targets is None or perm is not tile_map.perm):
-        raise ValueError("tile_map: needs filtering, accum='fp32', the targets and the order the forward walked")
     acc_dtype = e.dtype if native else torch.float32
     de = torch.zeros(e.shape, dtype=acc_dtype, device=dev)
     dc = torch.zeros(c.shape, dtype=c.dtype if native else torch.float32, device=dev)
