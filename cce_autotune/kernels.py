@@ -57,6 +57,16 @@ class RowLayout:
     def stride(self) -> int:
         return self.dense_stride if self.dense_stride is not None else 0
 
+    def row_index(self, D: int) -> torch.Tensor:
+        """Row of each row taking part in ``e.reshape(-1, D)`` (and in dE)."""
+        return self.de_offsets // D
+
+    def take(self, e: torch.Tensor) -> torch.Tensor:
+        """The rows taking part as an (n, D) matrix: a view when they are dense, else a gather."""
+        D = e.shape[-1]
+        e2 = e.reshape(-1, D)
+        return e2 if self.dense_stride is not None and e2.shape[0] == self.n else e2[self.row_index(D)]
+
 
 def _flags(e: torch.Tensor, bias, softcap, block_d: int, rows: RowLayout, **extra) -> Flags:
     D = e.shape[-1]
@@ -174,16 +184,17 @@ def backward(
         sparse = variant.strategy == "sparse"
         tiles, live = live_tiles(tile_map, lse, filter_eps, c.shape[0], variant.block_b, variant.block_v,
                                  1 if sparse else variant.group_b, swizzle=not sparse)
-        # The onehot term of a row is added inside a launched tile; rows whose target tile is not
-        # launched get theirs from outside (coefficient coef_out).
-        in_list = live[torch.arange(rows.n, device=lse.device) // variant.block_b, target_pos.long() // variant.block_v]
-        coef_out = torch.where(in_list, 0.0, coef_t)
-        total = triton.cdiv(rows.n, variant.block_b) * triton.cdiv(c.shape[0], variant.block_v)
-        if auto and tiles.numel() > AUTO_CHUNKED_SHARE * total:
+        if auto and tiles.numel() > AUTO_CHUNKED_SHARE * live.numel():  # (a host count: no further sync)
             # Most tiles are live (flat softmax): the chunked strategy's cuBLAS products beat the
             # tile kernel's atomics; its own filter still skips negligible chunks.
             variant, tile_map = variant.replace(strategy="chunked"), None
-        elif sparse:
+        else:
+            # The onehot term of a row is added inside a launched tile; rows whose target tile is not
+            # launched get theirs from outside (coefficient coef_out).
+            in_list = live[torch.arange(rows.n, device=lse.device) // variant.block_b,
+                           target_pos.long() // variant.block_v]
+            coef_out = torch.where(in_list, 0.0, coef_t)
+        if sparse and tile_map is not None:
             return _backward_sparse(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
                                     softcap, variant, tiles, tile_map)
     if variant.strategy == "chunked":
@@ -226,16 +237,22 @@ def backward(
     return de, dc, dbias
 
 
+def _target_weight(coef_t, zt, softcap) -> torch.Tensor:
+    """Weight of a row's onehot term: coef_t times the softcap derivative at the target logit."""
+    w = coef_t.float()
+    if softcap is not None:
+        w = w * (1.0 - (zt.float() / float(softcap)) ** 2)
+    return w
+
+
 def _add_target_terms(e, c, rows: RowLayout, targets, zt, coef_t, softcap, de32, dc32, dbias, chunk: int = 4096):
     """The onehot part of the logit gradient, -coef_t[i] (times the softcap derivative at the target
     logit) at (i, targets[i]), added into the fp32 dE, dC (and dbias) accumulators."""
     D = e.shape[-1]
     e2 = e.reshape(-1, D)
     de2 = de32.view(-1, D)
-    row_idx = rows.de_offsets // D
-    w = coef_t.float()
-    if softcap is not None:
-        w = w * (1.0 - (zt.float() / float(softcap)) ** 2)
+    row_idx = rows.row_index(D)
+    w = _target_weight(coef_t, zt, softcap)
     for lo in range(0, rows.n, chunk):
         sl = slice(lo, lo + chunk)
         t, wk = targets[sl], w[sl, None]
@@ -278,9 +295,7 @@ def _backward_sparse(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef
     row_ptr = ptr(ids // T, R)
     col_ptr = ptr(ids % T, T)
     col_idx = torch.argsort((ids % T) * R + ids // T).to(torch.int32)
-    w = coef_out.float()
-    if softcap is not None:
-        w = w * (1.0 - (tile_map.zt.float() / float(softcap)) ** 2)
+    w = _target_weight(coef_out, tile_map.zt, softcap)
     tgt_tile = target_pos.long() // BV
     tgt_rows = torch.argsort(tgt_tile).to(torch.int32)
     tgt_ptr = ptr(tgt_tile, T)
@@ -342,12 +357,10 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef
     de32 = torch.zeros((n_rows, D), dtype=torch.float32, device=dev)
     dc = torch.zeros(c.shape, dtype=c.dtype, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
-    row_idx = rows.de_offsets // D  # row of each taking part in e.reshape(-1, D)
+    row_idx = rows.row_index(D)
     if n_rows > 0:
         kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows))
-        # The rows taking part, as a (n_rows, D) matrix for cuBLAS (a view when they are dense).
-        e2 = e.reshape(-1, D)
-        e_rows = e2 if rows.dense_stride is not None and e2.shape[0] == n_rows else e2[row_idx]
+        e_rows = rows.take(e)  # the rows taking part, as a matrix for cuBLAS
         width = min(variant.chunk_v, V)
         g_buf = torch.empty((n_rows, width), dtype=e.dtype, device=dev)
         n_chunks = triton.cdiv(V, width)

@@ -266,7 +266,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             perm = None
             tmap = ctx.tile_map
             if ctx.sort:
-                perm = _vocab_order(e, c, bias, p)
+                perm = vocab_order.sort_order(p.layout.take(e), c, bias, weights=p.valid)
                 if p.variants.backward.tile_map:
                     vocab_order.remember(c, perm)  # the next forward of this classifier walks it
             if tmap is not None:
@@ -284,20 +284,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             de, dc, dbias = reference.backward(e, c, bias, p.rows, p.targets, lse_v, coef_s, coef_t, p.softcap)
         return de, dc, dbias, None
-
-
-def _vocab_order(e, c, bias, p: _Problem) -> torch.Tensor:
-    """The vocabulary by descending average logit over the call's (non-ignored) rows: the backward's
-    sorting key.  The sum of e over the rows times C is one matrix-vector product (softcap, being
-    monotonic, is left out of the key)."""
-    D = e.shape[-1]
-    e2 = e.reshape(-1, D)
-    rows = e2 if p.layout is not None and p.layout.dense_stride is not None and e2.shape[0] == p.n_rows else e2[p.rows]
-    mean = (p.valid.to(e.dtype) @ rows) / max(1, p.n_rows)
-    key = torch.mv(c, mean.to(c.dtype)).float()
-    if bias is not None:
-        key = key + bias.float()
-    return torch.argsort(key, descending=True).to(torch.int32)
 
 
 def linear_cross_entropy(

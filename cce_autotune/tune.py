@@ -311,7 +311,7 @@ class GPUBackend(Backend):
     def _reference(self, name: str, problem: Problem):
         import torch
 
-        from . import reference
+        from . import reference, vocab_order
         from .loss import linear_cross_entropy
 
         d = self._inputs(problem)
@@ -319,7 +319,7 @@ class GPUBackend(Backend):
             return d[name]
         f32 = lambda x: None if x is None else x.float()  # noqa: E731
         if name == "walk":  # the vocabulary by descending average logit (what a backward sorts by)
-            d["walk"] = torch.argsort(d["c"].float() @ d["e"].float().sum(0), descending=True).to(torch.int32)
+            d["walk"] = vocab_order.sort_order(d["e"], d["c"], d["bias"])
         elif name in ("ref_lse", "ref_zt"):
             lse, zt = reference.forward(f32(d["e"]), f32(d["c"]), f32(d["bias"]), torch.arange(problem.B, device="cuda"), d["t"], d["softcap"])
             d["ref_lse"], d["ref_zt"] = lse, zt

@@ -19,12 +19,29 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["lookup", "remember", "clear", "MAX_ENTRIES"]
+__all__ = ["sort_order", "lookup", "remember", "clear", "MAX_ENTRIES"]
 
 MAX_ENTRIES = 8
 
 _lock = threading.Lock()
 _orders: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+
+def sort_order(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The vocabulary by descending average logit over the rows of ``e_rows`` (n, D), counting row i
+    with ``weights[i]`` (0 for ignored rows; default 1): the order the backward sorts by.  The mean of
+    the rows times C is one matrix-vector product in the inputs' dtype (softcap, monotonic, is left
+    out of the key).  Returns an int32 (V,) permutation."""
+    n = max(1, e_rows.shape[0])
+    if weights is None:
+        mean = e_rows.sum(0) / n
+    else:
+        mean = (weights.to(e_rows.dtype) @ e_rows) / n
+    key = torch.mv(c, mean.to(c.dtype)).float()
+    if bias is not None:
+        key = key + bias.float()
+    return torch.argsort(key, descending=True).to(torch.int32)
 
 
 def _key(c: torch.Tensor) -> tuple:
