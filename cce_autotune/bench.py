@@ -4,14 +4,25 @@
 for each shape: one cuBLAS E·Cᵀ (the floor), PyTorch (logits + F.cross_entropy), cce_autotune as
 dispatched (steady state: the same classifier every call, as in training, so the remembered vocabulary
 order and the tile map are used), as dispatched but with every call a first call (``cce_autotune_cold``),
-with the built-in default variants and in exact mode, and - when importable - Apple's
+with the built-in default variants, in exact mode, without a memory budget (``cce_autotune_unlimited``),
+and - when importable - Apple's
 ``cut-cross-entropy`` (CCE and exact) and ``liger-kernel``'s fused linear cross-entropy. For each it
 records forward and forward+backward median times (triton.testing.do_bench, which flushes L2 between
 repetitions), the peak extra memory, and loss/gradient errors against a float32 reference, and
 prints a table, writes a CSV and (with matplotlib) a PNG chart.
 
 Data: ``lm`` (``cce_autotune.data.lm_like``: Zipfian tokens, peaked softmax with 4 nats of mean
-entropy) is the main case; ``random`` (N(0,1)/D^¼ inputs, uniform targets) the second.
+entropy) is the main case; ``random`` (N(0,1)/D^¼ inputs, uniform targets) the second; ``real``
+(``cce_autotune.realdata``: hidden states and classifier of a small GPT trained for ``--train-steps``
+steps on the Python standard library's source, on held-out text) runs on its own heads ``gpt768``,
+``gpt2048``, ``gpt4096`` unless ``--shapes`` says otherwise.
+
+``--train`` times the training call sequence instead: for each real head and each loss method, the
+same pretrained small GPT takes ``--loop-steps`` further AdamW steps (bf16 autocast, fp32 master
+weights), the classifier changing between calls as in training.  Rows have ``pass`` = ``train_step``:
+the median (p20, p80) time of a whole step, the peak memory of a step above what the model and the
+optimiser hold, and in ``err_loss`` the relative difference of the mean loss of the last steps from
+the ``torch`` method's on the same batches (both are printed).
 """
 
 from __future__ import annotations
@@ -19,28 +30,68 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
-import os
+import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from . import reference, vocab_order
-from .data import make_data
+from . import realdata, reference, vocab_order
+from .data import DATA_KINDS, make_data
 from .dispatch import default_variants
 from .loss import linear_cross_entropy
 
-__all__ = ["SHAPES", "time_ms", "main"]
+__all__ = ["SHAPES", "DEFAULT_SHAPES", "resolve_shapes", "parse_data", "time_ms", "run_shape",
+           "check_train_shape", "run_train", "main"]
 
 SHAPES = {
     "gemma2": (8192, 256128, 2304),
     "llama3": (8192, 128256, 4096),
     "mistral": (8192, 32768, 4096),
+    # Heads of the small GPTs trained on the standard library (cce_autotune.realdata).
+    "gpt768": (8192, 50000, 768),
+    "gpt2048": (8192, 50000, 2048),
+    "gpt4096": (8192, 50000, 4096),
 }
+DEFAULT_SHAPES = {"lm": "gemma2,llama3,mistral", "random": "gemma2,llama3,mistral", "real": "gpt768,gpt2048,gpt4096"}
+ERROR_CALLS = 3  # steady-state calls whose worst errors are reported
+MEMORY_CALLS = 20  # calls whose peak memory is reported (more than one cycle of the planner's pauses)
+TRAIN_WARMUP_STEPS = 5  # --train: untimed steps per method (compilation, autotuning, optimiser state)
+TRAIN_LOSS_STEPS = 10  # --train: the loss reported is the mean over this many last steps
 COLUMNS = ["gpu", "torch", "triton", "data", "shape", "B", "V", "D", "dtype", "method", "pass", "median_ms",
            "p20_ms", "p80_ms", "ratio_to_matmul", "peak_extra_mib", "err_loss", "err_de", "err_dc"]
+
+
+def parse_data(spec: str) -> list[str]:
+    """The data kinds of a ``--data`` comma list; ValueError naming ``--data`` on an unknown one."""
+    kinds = [k for k in spec.split(",") if k]
+    for k in kinds:
+        if k not in DATA_KINDS:
+            raise ValueError(f"--data: {k!r} is not one of {list(DATA_KINDS)}")
+    if not kinds:
+        raise ValueError("--data: empty list")
+    return kinds
+
+
+def resolve_shapes(spec: str | None, data: str) -> list[tuple[str, int, int, int]]:
+    """(name, B, V, D) of each entry of a ``--shapes`` comma list (names of SHAPES or B:V:D triples);
+    ``None`` means the default shapes of data kind ``data``.  ValueError naming ``--shapes``."""
+    shapes = []
+    for s in (DEFAULT_SHAPES[data] if spec is None else spec).split(","):
+        if s in SHAPES:
+            shapes.append((s, *SHAPES[s]))
+            continue
+        try:
+            B, V, D = (int(x) for x in s.split(":"))
+        except ValueError:
+            raise ValueError(f"--shapes: {s!r} is neither one of {sorted(SHAPES)} nor a B:V:D triple of ints") from None
+        if min(B, V, D) < 1:
+            raise ValueError(f"--shapes: {s!r} has a size below 1")
+        shapes.append((s.replace(":", "x"), B, V, D))
+    return shapes
 
 
 def time_ms(fn: Callable[[], object], grad_to_none=None, warmup: int = 25, rep: int = 200) -> tuple[float, float, float]:
@@ -51,17 +102,19 @@ def time_ms(fn: Callable[[], object], grad_to_none=None, warmup: int = 25, rep: 
     return float(q[0]), float(q[1]), float(q[2])
 
 
-def peak_extra_mib(fn: Callable[[], object]) -> float:
-    """Peak device memory allocated while ``fn`` runs, above what was allocated before, in MiB."""
+def peak_extra_mib(fn: Callable[[], object], calls: int = 1) -> float:
+    """Peak device memory allocated while ``fn`` runs ``calls`` times in a row, above what was
+    allocated before, in MiB."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = fn()
+    for _ in range(calls):
+        out = fn()
+        del out
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    del out
     return (peak - base) / 2**20
 
 
@@ -80,6 +133,9 @@ def _methods(include_peers: bool) -> list[Method]:
         Method("cce_autotune_cold", lambda e, c, t: (vocab_order.clear(), linear_cross_entropy(e, c, t))[1]),
         Method("cce_autotune_default", lambda e, c, t: linear_cross_entropy(e, c, t, variants=default_variants(e.element_size()))),
         Method("cce_autotune_exact", lambda e, c, t: linear_cross_entropy(e, c, t, filter_eps=None)),
+        # No memory budget: the planner may take the V x D fp32 scratch of the tile kernel, or large
+        # logit blocks for the fused strategy (the speed that memory buys).
+        Method("cce_autotune_unlimited", lambda e, c, t: linear_cross_entropy(e, c, t, max_extra_memory=None)),
     ]
     if not include_peers:
         return ms
@@ -115,9 +171,11 @@ def _rel(x, ref) -> float:
     return float((x.float() - ref).norm() / ref.norm())
 
 
-def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print) -> list[dict]:
+def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_options=None) -> list[dict]:
+    """Rows of the matmul floor and of each method's fw and fw+bw on one shape; ``data_options`` go to
+    :func:`cce_autotune.data.make_data` (``steps`` for real data)."""
     dev = "cuda"
-    e, c, t = make_data(data, B, V, D, dtype=dtype, device=dev, seed=0)
+    e, c, t = make_data(data, B, V, D, dtype=dtype, device=dev, seed=0, **(data_options or {}))
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     ref_loss, ref_de, ref_dc = _reference(e, c, t)
@@ -135,11 +193,16 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print) -> lis
             cc = c.detach().clone().requires_grad_()
             m.loss(ee, cc, t).backward()  # a first step (what a training loop's later steps reuse)
             ee.grad = cc.grad = None
-            loss = m.loss(ee, cc, t)  # errors of a steady-state step
-            loss.backward()
-            err = dict(err_loss=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
-                       err_de=_rel(ee.grad, ref_de), err_dc=_rel(cc.grad, ref_dc))
-            ee.grad = cc.grad = None
+            # Errors of the steady state: the worst of the next ERROR_CALLS calls (the planner's
+            # plan may change from one call to the next, e.g. a mapped probe, then fused calls).
+            err = dict(err_loss=0.0, err_de=0.0, err_dc=0.0)
+            for _ in range(ERROR_CALLS):
+                loss = m.loss(ee, cc, t)
+                loss.backward()
+                now = dict(err_loss=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+                           err_de=_rel(ee.grad, ref_de), err_dc=_rel(cc.grad, ref_dc))
+                err = {k: max(err[k], now[k]) for k in err}
+                ee.grad = cc.grad = None
 
             def fw():
                 return m.loss(ee, cc, t)
@@ -149,7 +212,9 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print) -> lis
 
             for pas, fn in (("fw", fw), ("fw+bw", fwbw)):
                 p20, med, p80 = time_ms(fn, grad_to_none=[ee, cc], rep=reps)
-                mem = peak_extra_mib(fn)
+                # (gradients dropped after each call, as an optimiser step's zero_grad(set_to_none) does)
+                mem = peak_extra_mib(lambda: (fn(), setattr(ee, "grad", None), setattr(cc, "grad", None)),
+                                     calls=MEMORY_CALLS)
                 ee.grad = cc.grad = None
                 rows.append(dict(base, method=m.name, **{"pass": pas}, median_ms=med, p20_ms=p20, p80_ms=p80,
                                  ratio_to_matmul=med / floor, peak_extra_mib=mem, **err))
@@ -163,6 +228,90 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print) -> lis
     del e, c, t, ref_de, ref_dc
     gc.collect()
     torch.cuda.empty_cache()
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_train_shape(name: str, B: int, seq: int = realdata.DEFAULT_SEQ) -> None:
+    """--train feeds whole windows of ``seq`` tokens: B must be a multiple of it."""
+    if B % seq:
+        raise ValueError(f"--shapes: {name} has B={B} tokens per step, not a multiple of the sequence length {seq}")
+
+
+def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40, warmup=TRAIN_WARMUP_STEPS,
+              device="cuda", layers=None, seq=realdata.DEFAULT_SEQ, log=print) -> list[dict]:
+    """Rows (``pass`` = ``train_step``) timing whole training steps of the real-data GPT of head
+    (V, D) with each loss method.
+
+    The model is pretrained once (``pretrain_steps`` steps of B tokens, the recipe of
+    :mod:`cce_autotune.realdata`); then each method starts from those same weights with a fresh AdamW
+    at the learning rate the pretraining schedule ended at, and takes ``warmup`` untimed and
+    ``loop_steps`` timed steps on the same batches of B tokens (a batch the pretraining has not
+    drawn).  A step is timed from the host, synchronised before and after: forward, loss, backward,
+    clipping and the optimiser.  Peak memory (CUDA only, else nan) is the most a timed step holds
+    above what the weights and the optimiser state hold before it."""
+    check_train_shape(name, B, seq)
+    device = torch.device(device)
+    cfg = realdata.GPTConfig.for_width(V, D, layers=layers, seq=seq)
+    train_ids = realdata.load_corpus().split(V)[0].to(device)
+    t0 = time.perf_counter()
+    model = realdata.GPT.create(cfg, seed=0, device=device)
+    pre_loss = realdata.pretrain(model, train_ids, steps=pretrain_steps, tokens_per_step=B, seed=0)
+    log(f"{name} real: pretrained {pretrain_steps} steps of {B} tokens ({cfg.layers} layers), loss {pre_loss:.3f}, "
+        f"{time.perf_counter() - t0:.1f} s")
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dt = realdata.compute_dtype(device)
+    lr = realdata.default_lr(D) * realdata.FINAL_LR_FRACTION
+    base = dict(meta, data="real", shape=name, B=B, V=V, D=D, dtype=str(dt).replace("torch.", ""))
+    rows, ref_loss = [], None
+    for m in methods:
+
+        def loss_fn(model, x, y, m=m):
+            h = model.hidden(x).flatten(0, 1)  # under autocast the final LayerNorm's output is fp32
+            # The loss gets e and c in the compute dtype, as autocast would hand them to lm_head:
+            # linear_cross_entropy needs c.dtype == e.dtype.  The cast copy of c is a new tensor every
+            # step, so cce_autotune's remembered vocabulary order (keyed by storage) is found again
+            # only when the allocator hands the copy the same memory.
+            return m.loss(h.to(dt), model.lm_head.weight.to(dt), y.flatten())
+
+        try:
+            model.load_state_dict(init)
+            model.zero_grad(set_to_none=True)
+            vocab_order.clear()
+            opt = realdata.make_optimizer(model, lr)
+            batches = realdata.batches(train_ids, B // seq, seq, seed=1)
+            times, losses = [], []
+            for i in range(warmup + loop_steps):
+                x, y = next(batches)
+                if i == warmup and device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                    mem_base = torch.cuda.memory_allocated(device)
+                _sync(device)
+                start = time.perf_counter()
+                losses.append(realdata.train_step(model, opt, x, y, loss_fn))
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            mem = (torch.cuda.max_memory_allocated(device) - mem_base) / 2**20 if device.type == "cuda" else math.nan
+            p20, med, p80 = (1e3 * float(q) for q in torch.tensor(times[warmup:]).quantile(torch.tensor([0.2, 0.5, 0.8])))
+            loss = float(torch.stack(losses[-TRAIN_LOSS_STEPS:]).mean())
+            if m.name == "torch":
+                ref_loss = loss
+            err = abs(loss - ref_loss) / ref_loss if ref_loss is not None else math.nan
+            rows.append(dict(base, method=m.name, **{"pass": "train_step"}, median_ms=med, p20_ms=p20, p80_ms=p80,
+                             ratio_to_matmul=math.nan, peak_extra_mib=mem, err_loss=err, err_de=math.nan,
+                             err_dc=math.nan))
+            ref = f"{ref_loss:.4f}" if ref_loss is not None else "n/a"
+            log(f"{name} real: {m.name:22s} train_step {med:8.2f} ms  {mem:9.1f} MiB  loss {loss:.4f} (torch {ref})")
+            del opt
+        except Exception as exc:  # a peer failing must not stop the others
+            log(f"{name} real: {m.name} train_step FAILED: {exc!r}")
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -182,6 +331,9 @@ def plot(rows: list[dict], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:
+        return False
+    rows = [r for r in rows if r["pass"] in ("fw", "fw+bw")]
+    if not rows:
         return False
     keys = sorted({(r["shape"], r["data"]) for r in rows})
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "matmul"]
@@ -213,42 +365,60 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="cce-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="gemma2,llama3,mistral",
-                    help=f"comma list of {sorted(SHAPES)} or B:V:D triples")
-    ap.add_argument("--data", default="lm,random", help="comma list of lm, random")
+    ap.add_argument("--shapes", default=None,
+                    help=f"comma list of {sorted(SHAPES)} or B:V:D triples (default per data kind: {DEFAULT_SHAPES})")
+    ap.add_argument("--data", default="lm,random", help=f"comma list of {', '.join(DATA_KINDS)}")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--no-peers", action="store_true", help="skip Apple's and Liger's kernels")
     ap.add_argument("--methods", default="", help="comma list to keep (default: all available)")
     ap.add_argument("--reps", type=int, default=200, help="do_bench repetition time per measurement, ms")
+    ap.add_argument("--train-steps", type=int, default=300,
+                    help="training steps of the real-data models (--data real, --train); trained once, then cached")
+    ap.add_argument("--train", action="store_true",
+                    help="time whole training steps of the real-data GPTs per loss method instead of the loss alone "
+                         "(real data only; each GPT is first trained in-process for --train-steps steps)")
+    ap.add_argument("--loop-steps", type=int, default=40,
+                    help=f"--train: timed steps per method, after {TRAIN_WARMUP_STEPS} untimed ones")
     ap.add_argument("--out", default="benchmarks/results", help="folder for the CSV and PNG")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     args = ap.parse_args(argv)
+    try:
+        kinds = ["real"] if args.train else parse_data(args.data)
+        plan = [(data, shape) for data in kinds for shape in resolve_shapes(args.shapes, data)]
+        if args.train:
+            for _, (name, B, _, _) in plan:
+                check_train_shape(name, B)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.train_steps < 0:
+        ap.error(f"--train-steps: expected >= 0, got {args.train_steps}")
+    if args.loop_steps < 1:
+        ap.error(f"--loop-steps: expected >= 1, got {args.loop_steps}")
+    if args.train and args.dtype != "bf16":
+        ap.error(f"--dtype: --train trains under bf16 autocast, got {args.dtype}")
     if not torch.cuda.is_available():
         print("cce-bench: no CUDA GPU found; the benchmark times GPU kernels", file=sys.stderr)
         return 2
     import triton
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    shapes = []
-    for s in args.shapes.split(","):
-        if s in SHAPES:
-            shapes.append((s, *SHAPES[s]))
-        else:
-            B, V, D = (int(x) for x in s.split(":"))
-            shapes.append((s.replace(":", "x"), B, V, D))
     methods = _methods(not args.no_peers)
     if args.methods:
         keep = set(args.methods.split(","))
         methods = [m for m in methods if m.name in keep]
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}", flush=True)
+    log = lambda s: print(s, flush=True)  # noqa: E731
     rows = []
-    for data in args.data.split(","):
-        for name, B, V, D in shapes:
-            rows += run_shape(name, B, V, D, data, dtype, methods, args.reps, meta,
-                              log=lambda s: print(s, flush=True))
+    for data, (name, B, V, D) in plan:
+        if args.train:
+            rows += run_train(name, B, V, D, methods, meta, pretrain_steps=args.train_steps,
+                              loop_steps=args.loop_steps, log=log)
+        else:
+            options = {"steps": args.train_steps} if data == "real" else {}
+            rows += run_shape(name, B, V, D, data, dtype, methods, args.reps, meta, log=log, data_options=options)
     out = Path(args.out)
-    stem = f"bench_{meta['gpu'].replace(' ', '_')}{('_' + args.tag) if args.tag else ''}"
+    stem = f"{'train' if args.train else 'bench'}_{meta['gpu'].replace(' ', '_')}{('_' + args.tag) if args.tag else ''}"
     write_csv(rows, out / f"{stem}.csv")
     drew = plot(rows, out / f"{stem}.png")
     print_table(rows)

@@ -13,6 +13,7 @@ Argument parsing only: the work is done by :mod:`cce_autotune.tune`, :mod:`cce_a
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import os
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from .variant import KERNELS, VariantError
 __all__ = ["main", "build_parsers", "ENV_BACKEND"]
 
 ENV_BACKEND = "CCE_AUTOTUNE_BACKEND"  # "fake": run the whole loop on the CPU cost model (tests)
-_COMMANDS = ("tune", "show", "render")
+_COMMANDS = ("tune", "show", "render", "explain")
 
 
 class _UsageError(Exception):
@@ -92,7 +93,7 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     tune = argparse.ArgumentParser(
         prog="cce-tune",
         description="Tune the Cut Cross-Entropy kernels for this GPU and shapes; winners go to <out>/<gpu>.yaml. "
-        "Other commands: `cce-tune show --help`, `cce-tune render --help`.",
+        "Other commands: `cce-tune show --help`, `cce-tune explain --help`, `cce-tune render --help`.",
     )
     tune.add_argument("--gpu", required=True, help="GPU slug or device name (must match the detected GPU), e.g. h200")
     _shape_args(tune, required=True)
@@ -138,7 +139,29 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     render.add_argument("--hidden", type=int, metavar="D", help="hidden size (decides the unmasked EVEN_D path)")
     render.add_argument("--bias", action="store_true")
     render.add_argument("--softcap", action="store_true")
-    return {"tune": tune, "show": show, "render": render}
+    explain = argparse.ArgumentParser(
+        prog="cce-tune explain",
+        description="How the planner would run a call of this shape: the backward plan for each live share "
+        "(the share of tiles the forward's tile map leaves live), whether filtering pauses for it, and the "
+        "memory budget. Needs no GPU.",
+    )
+    explain.add_argument("--gpu", help="GPU slug or device name (default: $CCE_AUTOTUNE_GPU or the detected GPU)")
+    _shape_args(explain, required=True)
+    explain.add_argument("--live", type=_share_list, default=[0.05, 0.25, 0.5, 1.0], metavar="S,...",
+                         help="live-tile shares to plan for, in (0, 1] (default 0.05,0.25,0.5,1)")
+    explain.add_argument("--max-extra-memory", default="auto", metavar="SIZE",
+                         help="the memory budget: auto (default), none, a byte count or e.g. 2GiB")
+    return {"tune": tune, "show": show, "render": render, "explain": explain}
+
+
+def _share_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--live: {text!r} is not a comma list of numbers") from None
+    if not values or any(not 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--live: shares must lie in (0, 1], got {text!r}")
+    return values
 
 
 def _single(values: list[int], name: str) -> int:
@@ -239,6 +262,52 @@ def _cmd_show(args, out, err) -> int:
     return 0
 
 
+# -- explain -----------------------------------------------------------------------------------
+def _cmd_explain(args, out, err) -> int:
+    from . import dispatch, planner
+
+    gpu = dispatch.resolve_gpu(args.gpu) if args.gpu else dispatch.gpu_slug()
+    V, D = _single(args.vocab, "--vocab"), _single(args.hidden, "--hidden")
+    try:
+        planner.parse_bytes(args.max_extra_memory, "--max-extra-memory")
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    costs = planner.cost_model(gpu)
+    for B in args.tokens:
+        for dtype in args.dtype:
+            bw = dispatch.explain(gpu, dtype, B, V, D, args.bias, args.softcap).variants.backward.replace(strategy="auto")
+            elem = 4 if dtype == "fp32" else 2
+            grads = elem * (B + V) * D + (elem * V if args.bias else 0)
+            p = planner.Problem(n=B, n_all=B, V=V, D=D, elem=elem, grad_bytes=grads, sorted_vocab=True,
+                                map_bytes=B * -(-V // 256))
+            budget = planner.memory_budget(args.max_extra_memory, grads, 4 * B * D)
+            shown = "unlimited" if budget is None else f"{budget / planner.MiB:.0f} MiB"
+            out.write(f"GPU {gpu}, {dtype}, B={B}, V={V}, D={D}: memory budget {shown}; one matmul of the shape "
+                      f"is about {planner.mm_ms(p, costs):.2f} ms\n")
+            first = planner.plan_backward(replace(p, sorted_vocab=False, map_bytes=0), bw, has_map=False,
+                                          budget=budget, costs=costs, exact=True)
+            out.write(f"  first call / exact: {first.describe()}\n")
+            unfiltered = planner.unfiltered_cost(p, bw, budget, costs, fused_allowed=True)
+            fused = planner.plan_forward(p, bw, paused=True, allowed=True, max_extra_memory=args.max_extra_memory,
+                                         gpu=gpu)
+            for live in args.live:
+                # Live chunks: a chunk holds a live tile when any row block has one there; take the
+                # share of a random spread of the live tiles as the estimate.
+                w, _ = planner.chunked_shape(p, bw.block_v, bw.chunk_v, budget, False)
+                per_chunk = max(1, w // bw.block_v) * -(-B // bw.block_b)
+                chunks = 1.0 - (1.0 - live) ** per_chunk
+                plan = planner.plan_backward(p, bw, has_map=True, live=live, live_chunks=chunks, budget=budget,
+                                             costs=costs)
+                pause = costs.forward + plan.cost >= planner.PAUSE_SHARE * unfiltered
+                out.write(f"  live {live:.0%}: {plan.describe()}\n")
+                if pause:
+                    then = fused.describe() if fused is not None else "the exact plan above"
+                    out.write(f"    -> filtering cannot pay (forward + this plan {costs.forward + plan.cost:.2f} mm vs "
+                              f"{unfiltered:.2f} mm unfiltered): the classifier's next {planner.PAUSE_CALLS} calls run "
+                              f"{then}\n")
+    return 0
+
+
 # -- render ------------------------------------------------------------------------------------
 def _knob_value(text: str):
     low = text.lower()
@@ -274,8 +343,10 @@ def _cmd_render(args, out, err) -> int:
         variant.validate(elem_bytes=4 if args.dtype == "fp32" else 2, smem_limit=None)
     except (VariantError, TypeError) as exc:
         raise _UsageError(f"{args.kernel}: {exc}") from None
-    if hasattr(variant, "resolved"):  # the backward's strategy="auto" is decided by filter_eps
-        variant = variant.resolved(variant.filter_eps)
+    if getattr(variant, "strategy", None) == "auto":  # decided per call by the planner; render its default
+        from .planner import default_strategy
+
+        variant = variant.replace(strategy=default_strategy())
     flags = Flags(
         has_bias=args.bias, has_softcap=args.softcap,
         even_d=bool(args.hidden and args.hidden % variant.block_d == 0),
@@ -296,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
-    handler = {"tune": _cmd_tune, "show": _cmd_show, "render": _cmd_render}[command]
+    handler = {"tune": _cmd_tune, "show": _cmd_show, "render": _cmd_render, "explain": _cmd_explain}[command]
     try:
         return handler(args, sys.stdout, sys.stderr)
     except _UsageError as exc:

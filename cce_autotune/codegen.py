@@ -34,7 +34,7 @@ __all__ = ["Flags", "render_source", "load_kernel", "template_hash", "interpreti
 TEMPLATE_FILES = {
     "indexed_dot": ("indexed_dot.py.j2",),
     "lse_forward": ("lse_forward.py.j2",),
-    "backward": ("backward.py.j2", "backward_chunked.py.j2", "backward_sparse.py.j2"),
+    "backward": ("backward.py.j2", "backward_chunked.py.j2", "backward_sparse.py.j2", "backward_fused.py.j2"),
 }
 
 
@@ -57,6 +57,8 @@ class Flags:
     walk_perm: bool = False  # forward walks the vocabulary in a given order (a previous call's sort)
     tile_map: bool = False  # forward records the per-(row, vocab tile) bound map for the backward
     tile_list: bool = False  # backward launches only listed tiles; the target term is added outside
+    tile_live: bool = False  # chunked backward: dead tiles of the live grid are written as zeros
+    dc_window: bool = False  # tile backward: fp32 dC scratch of one vocabulary window (row = position - dc_lo)
 
     def template_flags(self) -> dict:
         return {
@@ -70,6 +72,8 @@ class Flags:
             "WALK_PERM": self.walk_perm,
             "TILE_MAP": self.tile_map,
             "TILE_LIST": self.tile_list,
+            "TILE_LIVE": self.tile_live,
+            "DC_WINDOW": self.dc_window,
         }
 
 
@@ -111,7 +115,7 @@ def render_source(variant: _Variant, flags: Flags = Flags()) -> str:
     if variant.kernel not in TEMPLATE_FILES:
         raise ValueError(f"variant: unknown kernel {variant.kernel!r}")
     if getattr(variant, "strategy", None) == "auto":
-        raise ValueError("variant: strategy 'auto' is decided at launch (BackwardVariant.resolved); render a concrete one")
+        raise ValueError("variant: strategy 'auto' is decided at launch (cce_autotune.planner); render a concrete one")
     template = _env().get_template(variant.template)
     return template.render(**_context(variant, flags))
 

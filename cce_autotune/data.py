@@ -10,6 +10,8 @@
     entropy over a sample of rows is ``entropy`` nats (default 4.0, in the 3.5-4.8 nats measured
     on trained LMs), so that gradient filtering and vocabulary sorting see realistic sparsity.
 ``random``: e, c ~ N(0, 1) / D^(1/4) (flat softmax, filtering skips almost nothing), uniform targets.
+``real``: hidden states and classifier of a small language model trained on the Python standard
+  library's source (:func:`cce_autotune.realdata.real_data`; trains on first use, then cached on disk).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import math
 
 import torch
 
-__all__ = ["lm_like", "random_data", "make_data", "mean_entropy"]
+__all__ = ["DATA_KINDS", "lm_like", "random_data", "make_data", "mean_entropy"]
+
+DATA_KINDS = ("lm", "random", "real")
 
 
 def mean_entropy(e: torch.Tensor, c: torch.Tensor, rows: int = 256) -> float:
@@ -65,9 +69,15 @@ def random_data(B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed
     return e.to(dtype), c.to(dtype), t
 
 
-def make_data(kind: str, B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed: int = 0):
+def make_data(kind: str, B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed: int = 0, **options):
+    """(e, c, targets) of kind ``lm``, ``random`` or ``real``; ``options`` go to that kind's generator
+    (e.g. ``entropy`` for ``lm``, ``steps`` for ``real``)."""
     if kind == "lm":
-        return lm_like(B, V, D, dtype, device, seed)
+        return lm_like(B, V, D, dtype, device, seed, **options)
     if kind == "random":
-        return random_data(B, V, D, dtype, device, seed)
-    raise ValueError(f"data: {kind!r} is not one of ['lm', 'random']")
+        return random_data(B, V, D, dtype, device, seed, **options)
+    if kind == "real":
+        from .realdata import real_data  # imported here: only this kind needs the corpus and the model
+
+        return real_data(B, V, D, dtype, device, seed, **options)
+    raise ValueError(f"data: {kind!r} is not one of {list(DATA_KINDS)}")

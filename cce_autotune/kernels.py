@@ -13,17 +13,11 @@ import torch
 import triton
 
 from .codegen import Flags, interpreting, load_kernel
-from .tile_map import TileMap, live_tiles
+from .planner import BackwardPlan
+from .tile_map import TileMap, tile_ids
 from .variant import BackwardVariant, IndexedDotVariant, LSEForwardVariant
 
-__all__ = ["RowLayout", "indexed_dot", "lse_forward", "backward", "AUTO_CHUNKED_SHARE", "AUTO_WITH_MAP"]
-
-# strategy="auto" with a tile map: above this share of live tiles the chunked strategy is used (on an
-# H200 the tile kernel with every tile live costs about 8x a matmul, the chunked one about 3.6x).
-AUTO_CHUNKED_SHARE = 0.4
-# What strategy="auto" runs with a tile map below that share (on the H200 the tile kernel measured
-# 8-27% faster than the sparse strategy, which needs half the memory; the tuner may pick either).
-AUTO_WITH_MAP = "tiles"
+__all__ = ["RowLayout", "indexed_dot", "lse_forward", "backward"]
 # Shared memory the sparse strategy's dE / dC passes may fill with pipeline stages.
 _SPARSE_SMEM = 200 * 1024
 
@@ -154,81 +148,62 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant
 
 def backward(
     e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap,
-    filter_eps, variant: BackwardVariant, tile_map: TileMap | None = None, targets: torch.Tensor | None = None,
+    filter_eps, variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None = None,
+    live: torch.Tensor | None = None, chunks: list | None = None, targets: torch.Tensor | None = None,
 ):
-    """dE (shape and dtype of ``e``), dC (of ``c``), dbias (of ``bias``, or None).
+    """dE (shape and dtype of ``e``), dC (of ``c``), dbias (of ``bias``, or None), as ``plan`` says
+    (see :mod:`cce_autotune.planner`, which decides everything this function launches).
 
     ``target_pos[i]`` is the column position of row i's target in the walked vocabulary order (its
     vocab index, or ``inv_perm[target]`` when ``perm`` is given). The gradient of row i's logits is
     ``softmax * coef_s[i] - onehot * coef_t[i]`` (times the softcap derivative).
     ``filter_eps=None``: exact.
 
-    With a forward's ``tile_map`` (filtered, fp32 accumulation), ``perm`` must be the order that
-    forward walked and ``targets`` the vocabulary index of each row's target: the tiles and sparse
-    strategies launch only the tiles the map leaves live, and the onehot term of a row whose target
-    tile is not among them is added outside the kernels; ``strategy="auto"`` takes the chunked
-    strategy instead when more than :data:`AUTO_CHUNKED_SHARE` of the tiles are live.
+    With ``plan.use_map``: ``tile_map`` is the forward's map, ``perm`` the order that forward walked,
+    ``live`` the (row blocks, tiles) grid of live tiles at the variant's tiling
+    (:func:`~cce_autotune.tile_map.live_grid`), ``targets`` the vocabulary index of each row's target
+    and, for the chunked strategy, ``chunks[k]`` whether vocabulary chunk k holds a live tile. Only live tiles are computed; the onehot term of a row whose target tile is dead is
+    added outside the kernels.
     """
-    if tile_map is not None and (filter_eps is None or variant.accum == "native" or targets is None
-                                 or perm is not tile_map.perm):
-        raise ValueError("tile_map: needs filtering, accum='fp32', the targets and the order the forward walked")
-    # The variant as launched: strategy decided, filter and sorting as this call has them.
-    auto = variant.strategy == "auto"
-    variant = variant.resolved(filter_eps).replace(filter_eps=filter_eps, sort_vocab=perm is not None)
-    if tile_map is None and variant.strategy == "sparse":
-        variant = variant.replace(strategy="tiles")  # no map (a classifier's first call): every tile
-    tiles = None
-    if tile_map is not None and rows.n > 0 and variant.strategy in ("tiles", "sparse"):
-        if auto:
-            variant = variant.replace(strategy=AUTO_WITH_MAP)
-        sparse = variant.strategy == "sparse"
-        tiles, live = live_tiles(tile_map, lse, filter_eps, c.shape[0], variant.block_b, variant.block_v,
-                                 1 if sparse else variant.group_b, swizzle=not sparse)
-        if auto and tiles.numel() > AUTO_CHUNKED_SHARE * live.numel():  # (a host count: no further sync)
-            # Most tiles are live (flat softmax): the chunked strategy's cuBLAS products beat the
-            # tile kernel's atomics; its own filter still skips negligible chunks.
-            variant, tile_map = variant.replace(strategy="chunked"), None
-        else:
-            # The onehot term of a row is added inside a launched tile; rows whose target tile is not
-            # launched get theirs from outside (coefficient coef_out).
-            in_list = live[torch.arange(rows.n, device=lse.device) // variant.block_b,
-                           target_pos.long() // variant.block_v]
-            coef_out = torch.where(in_list, 0.0, coef_t)
-        if sparse and tile_map is not None:
-            return _backward_sparse(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
-                                    softcap, variant, tiles, tile_map)
-    if variant.strategy == "chunked":
-        return _backward_chunked(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant)
+    if plan.use_map and (tile_map is None or live is None or filter_eps is None or targets is None
+                         or perm is not tile_map.perm):
+        raise ValueError("plan: a mapped backward needs the tile map, its live grid, filtering, the targets "
+                         "and the order the forward walked")
+    variant = variant.replace(strategy=plan.strategy, filter_eps=filter_eps, sort_vocab=perm is not None)
+    coef_out = None
+    if plan.use_map and rows.n > 0:
+        # The onehot term of a row is added inside a launched tile; rows whose target tile is not
+        # launched get theirs from outside (coefficient coef_out).
+        in_live = live[torch.arange(rows.n, device=lse.device) // variant.block_b,
+                       target_pos.long() // variant.block_v]
+        coef_out = torch.where(in_live, 0.0, coef_t)
+    if plan.strategy == "chunked":
+        return _backward_chunked(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
+                                 variant, plan, tile_map, live, chunks)
+    if plan.strategy == "sparse":
+        return _backward_sparse(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
+                                softcap, variant, tile_ids(live, 1, swizzle=False), tile_map)
+    if plan.use_map and plan.window_v and rows.n > 0:
+        return _backward_tiles_windowed(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
+                                        softcap, filter_eps, variant, plan, tile_map, live)
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
     native = variant.accum == "native"
-    use_map = tile_map is not None and n_rows > 0
+    use_map = plan.use_map and n_rows > 0
     acc_dtype = e.dtype if native else torch.float32
     de = torch.zeros(e.shape, dtype=acc_dtype, device=dev)
     dc = torch.zeros(c.shape, dtype=c.dtype if native else torch.float32, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
     if n_rows > 0:
         if use_map:
-            grid = (tiles.numel(),)
-            _add_target_terms(e, c, rows, targets, tile_map.zt, coef_out, softcap, de, dc, dbias)
+            tiles = tile_ids(live, variant.group_b)
+            _add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap,
+                              de.view(-1, D), dc, dbias)
         else:
-            tiles = target_pos  # unused
-            grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(V, variant.block_v),)
-        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows, tile_list=use_map))
-        locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
-        locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=dev)
-        if grid[0] > 0:
-            kernel[grid](
-                e, c, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
-                perm if perm is not None else target_pos, tiles,
-                de, rows.de_offsets, dc, dbias if dbias is not None else lse, locks_e, locks_c,
-                n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), dc.stride(0), _softcap_arg(softcap),
-                float(filter_eps) if filter_eps is not None else 0.0,
-                BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
-                GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
-                num_warps=variant.num_warps, num_stages=variant.num_stages,
-            )
+            tiles = None
+        _launch_tiles(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant,
+                      tiles, de, dc, dbias)
     if not native:
         de = de.to(e.dtype)
         dc = dc.to(c.dtype)
@@ -237,29 +212,77 @@ def backward(
     return de, dc, dbias
 
 
+def _launch_tiles(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps,
+                  variant: BackwardVariant, tiles, de, dc, dbias, dc_lo: int | None = None) -> None:
+    """The tile kernel over every tile (``tiles`` None) or the listed ones; with ``dc_lo``, ``dc`` is
+    the fp32 scratch of the vocabulary window starting at walked position ``dc_lo``."""
+    n_rows, D = rows.n, e.shape[-1]
+    V = c.shape[0]
+    native = variant.accum == "native"
+    if tiles is not None:
+        grid = (tiles.numel(),)
+    else:
+        grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(V, variant.block_v),)
+    if grid[0] == 0:
+        return
+    flags = _flags(e, bias, softcap, variant.block_d, rows, tile_list=tiles is not None, dc_window=dc_lo is not None)
+    locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
+    locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
+    load_kernel(variant, flags)[grid](
+        e, c, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
+        perm if perm is not None else target_pos, tiles if tiles is not None else target_pos,
+        de, rows.de_offsets, dc, dbias if dbias is not None else lse, locks_e, locks_c,
+        n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), dc.stride(0), _softcap_arg(softcap),
+        float(filter_eps) if filter_eps is not None else 0.0, dc_lo or 0,
+        BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+        GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+
+
+def _backward_tiles_windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
+                             softcap, filter_eps, variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap,
+                             live) -> tuple:
+    """The tile kernel over the live tiles, one vocabulary window of ``plan.window_v`` walked
+    positions at a time, so that the fp32 dC scratch is window x D instead of V x D: each window's
+    dC rows are rounded into dC once its tiles are done. dE keeps its fp32 scratch (n x D)."""
+    n, D = rows.n, e.shape[-1]
+    V = c.shape[0]
+    dev = e.device
+    W = plan.window_v
+    T = live.shape[1]
+    per = W // variant.block_v
+    de32 = torch.zeros(e.shape, dtype=torch.float32, device=dev)
+    dc = torch.zeros(c.shape, dtype=c.dtype, device=dev)
+    dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+    tiles = tile_ids(live, variant.group_b)
+    window = (tiles % T) // per
+    tiles = tiles[torch.argsort(window, stable=True)]
+    counts = torch.bincount(window, minlength=-(-T // per)).tolist()  # the backward's one host copy
+    scratch = torch.empty((W, D), dtype=torch.float32, device=dev)
+    first = 0
+    for k, count in enumerate(counts):
+        if count == 0:
+            continue  # no live tile: dC rows of the window stay zero (target terms come later)
+        lo = k * W
+        w = min(W, V - lo)
+        scratch.zero_()
+        _launch_tiles(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant,
+                      tiles[first:first + count], de32, scratch, dbias, dc_lo=lo)
+        first += count
+        dc.index_copy_(0, perm[lo:lo + w].long(), scratch[:w].to(dc.dtype))
+    _add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap, de32.view(-1, D), dc, dbias)
+    if dbias is not None:
+        dbias = dbias.to(bias.dtype)
+    return de32.to(e.dtype), dc, dbias
+
+
 def _target_weight(coef_t, zt, softcap) -> torch.Tensor:
     """Weight of a row's onehot term: coef_t times the softcap derivative at the target logit."""
     w = coef_t.float()
     if softcap is not None:
         w = w * (1.0 - (zt.float() / float(softcap)) ** 2)
     return w
-
-
-def _add_target_terms(e, c, rows: RowLayout, targets, zt, coef_t, softcap, de32, dc32, dbias, chunk: int = 4096):
-    """The onehot part of the logit gradient, -coef_t[i] (times the softcap derivative at the target
-    logit) at (i, targets[i]), added into the fp32 dE, dC (and dbias) accumulators."""
-    D = e.shape[-1]
-    e2 = e.reshape(-1, D)
-    de2 = de32.view(-1, D)
-    row_idx = rows.row_index(D)
-    w = _target_weight(coef_t, zt, softcap)
-    for lo in range(0, rows.n, chunk):
-        sl = slice(lo, lo + chunk)
-        t, wk = targets[sl], w[sl, None]
-        de2.index_add_(0, row_idx[sl], c[t].float() * -wk)
-        dc32.index_add_(0, t, e2[row_idx[sl]].float() * -wk)
-    if dbias is not None:
-        dbias.index_add_(0, targets, -w)
 
 
 def _backward_sparse(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
@@ -347,49 +370,172 @@ def _add_matmul_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
     acc += a @ b
 
 
-def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps,
-                      variant: BackwardVariant):
-    """The ``strategy="chunked"`` backward: per vocabulary chunk, a kernel writes g to a buffer of
-    (rows x chunk_v) and cuBLAS forms dC[chunk] = g^T E and dE += g C[chunk] (fp32)."""
-    n_rows, D = rows.n, e.shape[-1]
+def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
+                      variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None, live, chunks):
+    """The ``strategy="chunked"`` backward: for each vocabulary chunk of ``plan.chunk_v`` columns that
+    holds a live tile (every chunk without a map), a kernel writes the gradient block g of every row
+    (dead tiles as zeros, not recomputed) to a buffer that lines up with the rows of E, and cuBLAS
+    forms dC[chunk] = g^T E (one rounding) and dE += g C[chunk], accumulated in fp32 when
+    ``plan.de_fp32`` and else in dE itself (fp32 inside cuBLAS, one rounding per live chunk). No
+    atomics; no V x D scratch."""
+    n, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
-    de32 = torch.zeros((n_rows, D), dtype=torch.float32, device=dev)
-    dc = torch.zeros(c.shape, dtype=c.dtype, device=dev)
+    e2 = e.reshape(-1, D)  # a view unless e's strides forbid it (the planner counts the copy)
+    N = e2.shape[0]
+    de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
+    de2 = de.view(N, D)
+    acc = torch.zeros((N, D), dtype=torch.float32, device=dev) if plan.de_fp32 else de2
+    dc = torch.empty(c.shape, dtype=c.dtype, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
-    row_idx = rows.row_index(D)
-    if n_rows > 0:
-        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows))
-        e_rows = rows.take(e)  # the rows taking part, as a matrix for cuBLAS
-        width = min(variant.chunk_v, V)
-        g_buf = torch.empty((n_rows, width), dtype=e.dtype, device=dev)
-        n_chunks = triton.cdiv(V, width)
-        chunk_max = torch.zeros(n_chunks, dtype=torch.float32, device=dev)
+    W = min(plan.chunk_v or variant.chunk_v, V)
+    n_chunks = triton.cdiv(V, W)
+    computed = [False] * n_chunks
+    if n > 0:
+        use_live = live is not None
+        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows, tile_live=use_live))
+        # Rows of E that no problem row reads (shift) keep a zero gradient row in g.
+        g_buf = (torch.zeros if n < N else torch.empty)((N, W), dtype=e.dtype, device=dev)
         for k in range(n_chunks):
-            lo = k * width
-            w = min(width, V - lo)
-            grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(w, variant.block_v),)
+            if chunks is not None and not chunks[k]:
+                continue  # no live tile: every gradient of the chunk is negligible
+            lo = k * W
+            w = min(W, V - lo)
+            grid = (triton.cdiv(n, variant.block_b) * triton.cdiv(w, variant.block_v),)
             kernel[grid](
-                e, c, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
-                perm if perm is not None else target_pos, g_buf, dbias if dbias is not None else lse,
-                chunk_max[k:],
-                n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), g_buf.stride(0),
+                e, c, bias if bias is not None else c, rows.offsets, rows.de_offsets, target_pos, lse, coef_s, coef_t,
+                perm if perm is not None else target_pos, live if use_live else lse, g_buf,
+                dbias if dbias is not None else lse,
+                n, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), g_buf.stride(0),
                 _softcap_arg(softcap), lo, w,
                 BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
                 GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages,
             )
-            if filter_eps is not None and float(chunk_max[k]) < filter_eps:
-                continue  # every softmax value of the chunk is negligible and it holds no target
-            g = g_buf[:, :w]
-            if perm is not None:
-                cols = perm[lo : lo + w].long()
-                dc.index_copy_(0, cols, (g.T @ e_rows).to(c.dtype))
-                _add_matmul_fp32(de32, g, c[cols])
+            g = g_buf if w == W else g_buf[:, :w]
+            if perm is None:
+                _add_matmul(acc, g, c[lo : lo + w])
+                torch.mm(g.T, e2, out=dc[lo : lo + w])
             else:
-                dc[lo : lo + w] = g.T @ e_rows
-                _add_matmul_fp32(de32, g, c[lo : lo + w])
-    de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
-    de.view(-1, D).index_copy_(0, row_idx, de32.to(e.dtype))
+                cols = perm[lo : lo + w].long()
+                _add_matmul(acc, g, c[cols])
+                dc.index_copy_(0, cols, g.T @ e2)
+            computed[k] = True
+    for k in range(n_chunks):
+        if not computed[k]:
+            lo = k * W
+            if perm is None:
+                dc[lo : lo + W].zero_()
+            else:
+                dc.index_fill_(0, perm[lo : lo + W].long(), 0)
+    if coef_out is not None and n > 0:  # target terms of rows whose target tile is dead
+        _add_target_terms(c, e2, rows, targets, coef_out, tile_map.zt, softcap, acc, dc, dbias)
+    if plan.de_fp32:
+        de2.copy_(acc)
     if dbias is not None:
         dbias = dbias.to(bias.dtype)
     return de, dc, dbias
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b: into an fp32 accumulator without rounding the product, or into a 16-bit one
+    with cuBLAS's fp32 arithmetic and one rounding."""
+    if acc.dtype == torch.float32:
+        _add_matmul_fp32(acc, a, b)
+    else:
+        acc.addmm_(a, b)
+
+
+def _add_target_terms(c, e2, rows: RowLayout, targets, coef_out, zt, softcap, acc, dc, dbias,
+                      chunk: int = 1024) -> None:
+    """The onehot terms of the rows whose target tile was not launched, weight w = coef_out times the
+    softcap derivative at the target logit (0 for the other rows, which add nothing):
+    acc[row i] -= w_i c[t_i], dc[t_i] -= w_i e_i and dbias[t_i] -= w_i. Products in fp32, pieces of
+    ``chunk`` rows, each piece added to ``acc`` / ``dc`` once (acc, dc: fp32 or the input dtype)."""
+    D = e2.shape[1]
+    w = _target_weight(coef_out, zt, softcap)
+    row_idx = rows.row_index(D)
+    for lo in range(0, targets.shape[0], chunk):
+        sl = slice(lo, lo + chunk)
+        t, wk, r = targets[sl], w[sl, None], row_idx[sl]
+        acc.index_add_(0, r, (c[t].float() * -wk).to(acc.dtype))
+        uniq, inv = torch.unique(t, return_inverse=True)
+        part = torch.zeros((uniq.shape[0], D), dtype=torch.float32, device=e2.device)
+        part.index_add_(0, inv, e2[r].float() * -wk)
+        dc.index_add_(0, uniq, part.to(dc.dtype))
+    if dbias is not None:
+        dbias.index_add_(0, targets, -w)
+
+
+_MM_FP32_OUT: list = []  # whether mm's out_dtype works here, found on the first CUDA call
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out (fp32) = a @ b with no rounding of the product to a's 16-bit dtype where this PyTorch
+    offers it (mm's out_dtype on CUDA); elsewhere the product of the upcast operands on the CPU, or
+    the 16-bit product on a GPU without out_dtype."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    elif a.is_cuda:
+        if not _MM_FP32_OUT:
+            try:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
+                _MM_FP32_OUT.append(True)
+                return
+            except (RuntimeError, TypeError):
+                _MM_FP32_OUT.append(False)
+        if _MM_FP32_OUT[0]:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        else:
+            out.copy_(a @ b)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+# Columns per step of the fused strategy's row kernel.
+FUSED_BLOCK_V = 2048
+
+
+def fused(e, c, bias, rows: RowLayout, targets, coef, softcap, variant: BackwardVariant, row_block: int):
+    """The ``strategy="fused"`` forward: the loss's LSE and target logits, and the gradients for a
+    loss whose gradient with respect to row i's logits is ``softmax * coef[i] - onehot * coef[i]``
+    (times the softcap derivative): returns ``(lse, zt, dE, dC, dbias)`` (fp32 LSE and target logits
+    of the rows taking part; dE, dC, dbias shaped and typed like e, c, bias; dbias None without a
+    bias). Rows go in blocks of ``row_block``: cuBLAS forms the block's fp32 logits, the kernel its
+    LSE, target logit and gradient g (input dtype), cuBLAS dE[block] = g C and dC += g^T E[block]."""
+    n, D = rows.n, e.shape[-1]
+    V = c.shape[0]
+    dev = e.device
+    e2 = e.reshape(-1, D)
+    dense = rows.dense_stride is not None and e2.shape[0] == n
+    row_idx = rows.row_index(D)
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    zt = torch.empty(n, dtype=torch.float32, device=dev)
+    de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
+    de2 = de.view(-1, D)
+    dc = torch.zeros(c.shape, dtype=c.dtype, device=dev)
+    dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+    if n == 0:
+        return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None
+    R = max(1, min(row_block, n))
+    z = torch.empty((R, V), dtype=torch.float32, device=dev)
+    g = torch.empty((R, V), dtype=e.dtype, device=dev)
+    kernel = load_kernel(variant.replace(strategy="fused"), _flags(e, bias, softcap, variant.block_d, rows))
+    for r0 in range(0, n, R):
+        r1 = min(n, r0 + R)
+        m = r1 - r0
+        e_blk = e2[r0:r1] if dense else e2[row_idx[r0:r1]]
+        _mm_fp32_out(e_blk, c.T, z[:m])
+        kernel[(m,)](
+            z, bias if bias is not None else z, targets[r0:r1], coef[r0:r1], g, lse[r0:r1], zt[r0:r1],
+            V, z.stride(0), g.stride(0), _softcap_arg(softcap),
+            BLOCK_V=FUSED_BLOCK_V, num_warps=8,
+        )
+        g_blk = g[:m]
+        if dense:
+            torch.mm(g_blk, c, out=de2[r0:r1])
+        else:
+            de2.index_copy_(0, row_idx[r0:r1], g_blk @ c)
+        dc.addmm_(g_blk.T, e_blk)  # fp32 inside cuBLAS, one rounding per block of rows
+        if dbias is not None:
+            dbias += g_blk.sum(0, dtype=torch.float32)
+    return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None

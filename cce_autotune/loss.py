@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import kernels, reference, vocab_order
+from . import kernels, planner, reference, vocab_order
 from .codegen import interpreting
 from .variant import KernelVariants, VariantError
 
@@ -40,6 +40,7 @@ class _Problem:
     raw_targets: torch.Tensor  # (n,) the targets as given (for the range check)
     V: int
     return_lse: bool
+    max_extra_memory: object = "auto"  # the backward's memory budget request (planner.memory_budget)
 
     @property
     def n_rows(self) -> int:
@@ -75,7 +76,7 @@ def _contiguous_strides(shape) -> list[int]:
     return strides[::-1]
 
 
-def _check_inputs(e, c, targets, bias, ignore_index, softcap, reduction, shift, impl, filter_eps):
+def _check_inputs(e, c, targets, bias, ignore_index, softcap, reduction, shift, impl, filter_eps, max_extra_memory):
     for name, t in (("e", e), ("c", c), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -122,6 +123,7 @@ def _check_inputs(e, c, targets, bias, ignore_index, softcap, reduction, shift, 
     if filter_eps not in ("auto", None):
         if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not 0 < filter_eps < 1:
             raise ValueError(f"filter_eps: expected 'auto', None (exact) or a float in (0, 1), got {filter_eps!r}")
+    planner.parse_bytes(max_extra_memory)
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
@@ -154,19 +156,16 @@ def _resolve_variants(variants, e, c, bias, softcap) -> KernelVariants:
     return variants
 
 
-def _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, filter_eps, impl, variants):
-    _check_inputs(e, c, targets, bias, ignore_index, softcap, reduction, shift, impl, filter_eps)
+def _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, filter_eps, impl, variants,
+             max_extra_memory="auto"):
+    _check_inputs(e, c, targets, bias, ignore_index, softcap, reduction, shift, impl, filter_eps, max_extra_memory)
     impl = _resolve_impl(impl, e.device)
     # Explicit variants are always checked; the dispatcher is consulted only for the Triton path.
     kv = _resolve_variants(variants, e, c, bias, softcap) if impl == "triton" or variants is not None else KernelVariants()
     eps = kv.backward.filter_eps if filter_eps == "auto" else filter_eps
-    if variants is None and eps is None and kv.backward.strategy != "auto":
-        # Tuned backward variants are measured in the default (filtered) mode; an explicit request for
-        # exact gradients lets the strategy follow exactness instead (chunked: no tile is skippable).
-        kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
-    elif variants is None and kv.backward.strategy == "tiles" and kv.backward.tile_map:
-        # A tuned "tiles" was measured on LM-like data, where "auto" runs the same kernel; "auto" also
-        # switches to the chunked strategy when the tile map shows most tiles live (flat softmax).
+    if variants is None and kv.backward.strategy != "auto":
+        # A tuned entry's strategy was measured on the tuner's data; which strategy runs is the
+        # planner's choice for each call, from the live share it measures and the memory budget.
         kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
     dev = e.device
     D, V = e.shape[-1], c.shape[0]
@@ -183,6 +182,7 @@ def _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, retur
         impl=impl, variants=kv, filter_eps=eps, softcap=float(softcap) if softcap is not None else None,
         reduction=reduction, pred_shape=pred_shape, valid=valid, rows=rows, layout=layout,
         targets=tgt, raw_targets=raw, V=V, return_lse=return_lse, ignore_index=ignore_index,
+        max_extra_memory=max_extra_memory,
     )
 
 
@@ -207,22 +207,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
         needs_grad = any(ctx.needs_input_grad[:3])
         tmap = None
         sort = False
+        ctx.fused = None
         if p.impl == "triton":
             kv = p.variants
             bw = kv.backward
-            zt = kernels.indexed_dot(e, c, bias, p.layout, p.targets, p.softcap, kv.indexed_dot)
             sort = needs_grad and bw.sort_vocab and p.filter_eps is not None and p.n_rows > 0
             # With the tile map, the forward walks the order a previous backward left for this
-            # classifier and records where the live tiles are (see tile_map.py).
+            # classifier and records where the live tiles are (see tile_map.py); when that backward
+            # found filtering cannot pay, the classifier is paused and the planner may compute the
+            # gradients right here instead (strategy "fused").
             walk = None
+            paused = False
             if sort and bw.uses_tile_map(p.filter_eps):
-                walk = vocab_order.lookup(c)
-            # The call's one device-to-host copy, just before the main kernel's launch, so that the GPU
-            # does not wait for the host's preparations.
-            p.check_targets()
-            lse, tmap = kernels.lse_forward(
-                e, c, bias, p.layout, p.softcap, kv.lse_forward, perm=walk, zt=zt if walk is not None else None,
-            )
+                paused = vocab_order.paused(c)
+                if not paused:
+                    walk = vocab_order.lookup(c)
+            fused = None
+            if needs_grad and p.n_rows > 0 and (paused or bw.strategy == "fused"):
+                fused = planner.plan_forward(
+                    _planner_problem(e, c, bias, p), bw, paused=paused, dense_rows=p.layout.dense_stride is not None,
+                    allowed=_fused_allowed(p),
+                    max_extra_memory=p.max_extra_memory, gpu=_gpu(e.device))
+            if fused is not None:
+                valid = p.valid.float()
+                coef = valid / p.valid.sum().clamp(min=1) if p.reduction == "mean" else valid
+                p.check_targets()
+                lse, zt, de, dc, dbias = kernels.fused(e, c, bias, p.layout, p.targets, coef.contiguous(), p.softcap,
+                                                       bw, fused.row_block)
+                ctx.fused = (de, dc, dbias)
+                sort = False
+            else:
+                if paused:
+                    sort = False  # the planner found filtering cannot pay for this classifier now
+                zt = kernels.indexed_dot(e, c, bias, p.layout, p.targets, p.softcap, kv.indexed_dot)
+                # The call's one device-to-host copy, just before the main kernel's launch, so that the
+                # GPU does not wait for the host's preparations.
+                p.check_targets()
+                lse, tmap = kernels.lse_forward(
+                    e, c, bias, p.layout, p.softcap, kv.lse_forward, perm=walk, zt=zt if walk is not None else None,
+                )
         else:
             p.check_targets()
             lse, zt = reference.forward(e, c, bias, p.rows, p.targets, p.softcap)
@@ -248,6 +271,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         p: _Problem = ctx.problem
         e, c, bias, lse_v = ctx.saved_tensors
         n = p.n_rows
+        if ctx.fused is not None:  # computed in the forward for a unit gradient: scale by this one
+            de, dc, dbias = ctx.fused
+            ctx.fused = None
+            if grad_loss is None:
+                grad_loss = torch.zeros((), device=e.device)
+            scale = grad_loss.float()
+            return (de.mul_(scale.to(de.dtype)), dc.mul_(scale.to(dc.dtype)),
+                    dbias.mul_(scale.to(dbias.dtype)) if dbias is not None else None, None)
         if n == 0:
             return (torch.zeros_like(e), torch.zeros_like(c), torch.zeros_like(bias) if bias is not None else None, None)
         valid = p.valid.float()
@@ -263,14 +294,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Ignored positions: an infinite LSE makes their softmax (and so their gradient) zero.
         lse_v = torch.where(p.valid, lse_v, float("inf"))
         if p.impl == "triton":
-            perm = None
+            bw = p.variants.backward
             tmap = ctx.tile_map
+            order = None
             if ctx.sort:
-                perm = vocab_order.sort_order(p.layout.take(e), c, bias, weights=p.valid)
-                if p.variants.backward.tile_map:
-                    vocab_order.remember(c, perm)  # the next forward of this classifier walks it
-            if tmap is not None:
-                perm = tmap.perm  # the tile map is in the order the forward walked
+                order = vocab_order.sort_order(p.layout.take(e), c, bias, weights=p.valid)
+                if bw.tile_map:
+                    vocab_order.remember(c, order)  # the next forward of this classifier walks it
+            prob = _planner_problem(e, c, bias, p, tmap)
+            plan, live, chunks, pause = planner.decide(prob, bw, p.filter_eps, tmap, lse_v, p.max_extra_memory,
+                                                       _gpu(e.device), fused_allowed=_fused_allowed(p))
+            eps = p.filter_eps
+            if pause:
+                vocab_order.pause(c, planner.PAUSE_CALLS)
+                eps = None  # the planner's plan for this call filters nothing either
+            if plan.use_map:
+                perm = tmap.perm  # the live grid is in the order the forward walked
+            elif plan.strategy == "chunked":
+                perm = None  # without a map nothing is skipped: the natural order needs no gathers
+            else:
+                perm = order  # the tile kernel's own filter skips more in a sorted order
             if perm is not None:
                 inv = torch.empty_like(perm)
                 inv[perm.long()] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
@@ -279,11 +322,44 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 target_pos = p.targets
             de, dc, dbias = kernels.backward(
                 e, c, bias, p.layout, target_pos, lse_v, coef_s, coef_t, perm,
-                p.softcap, p.filter_eps, p.variants.backward, tile_map=tmap, targets=p.targets,
+                p.softcap, eps, bw, plan, tile_map=tmap if plan.use_map else None,
+                live=live, chunks=chunks, targets=p.targets,
             )
         else:
             de, dc, dbias = reference.backward(e, c, bias, p.rows, p.targets, lse_v, coef_s, coef_t, p.softcap)
         return de, dc, dbias, None
+
+
+def _fused_allowed(p: _Problem) -> bool:
+    """The fused strategy computes gradients for a unit incoming gradient of a "mean" or "sum" loss
+    in the forward: it cannot serve per-row incoming gradients or the returned LSE's."""
+    return p.reduction in ("mean", "sum") and not p.return_lse
+
+
+def _planner_problem(e, c, bias, p: _Problem, tmap=None) -> planner.Problem:
+    D = e.shape[-1]
+    return planner.Problem(
+        n=p.n_rows, n_all=e.numel() // D, V=p.V, D=D, elem=e.element_size(),
+        grad_bytes=sum(t.numel() * t.element_size() for t in (e, c, bias) if t is not None),
+        e_view=_views_as_matrix(e), sorted_vocab=tmap is not None, map_bytes=tmap.nbytes if tmap is not None else 0,
+    )
+
+
+def _views_as_matrix(e: torch.Tensor) -> bool:
+    try:
+        e.view(-1, e.shape[-1])
+        return True
+    except RuntimeError:
+        return False
+
+
+def _gpu(device) -> str | None:
+    """The GPU slug whose cost coefficients the planner uses (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    from .dispatch import gpu_slug
+
+    return gpu_slug(device)
 
 
 def linear_cross_entropy(
@@ -300,6 +376,7 @@ def linear_cross_entropy(
     filter_eps: float | str | None = "auto",
     impl: str = "auto",
     variants: KernelVariants | Mapping[str, Any] | None = None,
+    max_extra_memory: int | str | None = "auto",
 ):
     """Cross-entropy of ``softcap(e @ c.T + bias)`` against ``targets``, without the logit matrix.
 
@@ -324,11 +401,17 @@ def linear_cross_entropy(
             ``TRITON_INTERPRET=1``, "triton" runs the kernels on CPU tensors.
         variants: explicit kernel variants (:class:`KernelVariants` or its dict form); by default the
             dispatcher picks them from the tuned-config database.
+        max_extra_memory: device memory the backward may use beyond the gradients themselves:
+            "auto" (``$CCE_AUTOTUNE_MAX_EXTRA_MEMORY`` if set, else ``0.05 * (|dE| + |dC|) + 32 MiB``
+            plus an fp32 copy of dE),
+            None (unlimited), a byte count or a size string ("2GiB"). The planner runs the fastest
+            strategy that fits (:mod:`cce_autotune.planner`).
 
     Returns:
         The loss (fp32), or ``(loss, lse)`` when ``return_lse``.
     """
-    p = _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, filter_eps, impl, variants)
+    p = _prepare(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, filter_eps, impl, variants,
+                 max_extra_memory)
     loss, lse = _LinearCrossEntropy.apply(e, c, bias, p)
     return (loss, lse) if return_lse else loss
 
@@ -351,11 +434,13 @@ class LinearCrossEntropy(torch.nn.Module):
         filter_eps: float | str | None = "auto",
         impl: str = "auto",
         variants: KernelVariants | Mapping[str, Any] | None = None,
+        max_extra_memory: int | str | None = "auto",
     ):
         super().__init__()
         self.options = dict(
             ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
             return_lse=return_lse, filter_eps=filter_eps, impl=impl, variants=variants,
+            max_extra_memory=max_extra_memory,
         )
 
     def forward(self, e, c, targets, bias=None):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TileMap", "live_tiles"]
+__all__ = ["TileMap", "live_grid", "tile_ids", "live_tiles"]
 
 
 @dataclass
@@ -37,13 +37,9 @@ class TileMap:
         return self.q.numel() * self.q.element_size()
 
 
-def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int,
-               group_b: int, swizzle: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, live)``: int32 ids ``pid_b * ceil(V / block_v) + pid_n`` of the backward's
-    (block_b x block_v) tiles that may hold a softmax value >= ``filter_eps``, in the swizzled order
-    of the full grid (groups of ``group_b`` row blocks, walked tile-major, so that neighbouring
-    programs share C tiles), or with ``swizzle=False`` in row-major order (ascending ids); and
-    ``live``, the same set as a (row blocks, tiles) bool grid."""
+def live_grid(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int) -> torch.Tensor:
+    """(row blocks, tiles) bool: which of the backward's (block_b x block_v) tiles, in the walked
+    order, may hold a softmax value >= ``filter_eps``."""
     q = tmap.q
     n = q.shape[1]
     dev = q.device
@@ -51,10 +47,12 @@ def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, bloc
     thr = torch.ceil(8.0 * (math.log(filter_eps) + lse.float() - tmap.zt.float()))
     thr = torch.nan_to_num(thr, nan=-128.0, posinf=127.0, neginf=-128.0).clamp_(-128, 127).to(torch.int8)
     live_rows = q >= thr[None, :]  # (T_f, n); q == 127 (saturated) passes every threshold
+    live_rows &= (lse != float("inf"))[None, :]  # an ignored row (infinite LSE) has no gradient
     # Rows -> row blocks of the backward.
     R = -(-n // block_b)
     padded = torch.zeros((q.shape[0], R * block_b), dtype=torch.bool, device=dev)
     padded[:, :n] = live_rows
+    del live_rows
     live = padded.view(q.shape[0], R, block_b).any(dim=2)  # (T_f, R)
     # Forward tiles -> backward tiles (both widths are powers of two).
     T = -(-V // block_v)
@@ -65,12 +63,26 @@ def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, bloc
         wide = torch.zeros((T * r, R), dtype=torch.bool, device=dev)
         wide[: live.shape[0]] = live
         live = wide.view(T, r, R).any(dim=1)
+    return live.T.contiguous()
+
+
+def tile_ids(live: torch.Tensor, group_b: int, swizzle: bool = True) -> torch.Tensor:
+    """int32 ids ``pid_b * tiles + pid_n`` of the live tiles of a (row blocks, tiles) grid, in the
+    swizzled order of the full grid (groups of ``group_b`` row blocks, walked tile-major, so that
+    neighbouring programs share C tiles), or with ``swizzle=False`` in row-major order."""
+    R, T = live.shape
     if not swizzle:
-        return live.T.flatten().nonzero().squeeze(1).to(torch.int32), live.T
-    # Swizzled order: row-block groups, then tiles, then the blocks of the group.
+        return live.flatten().nonzero().squeeze(1).to(torch.int32)
     G = max(1, min(group_b, R))
     RG = -(-R // G) * G
-    grid = torch.zeros((RG, T), dtype=torch.bool, device=dev)
-    grid[:R] = live.T
+    grid = torch.zeros((RG, T), dtype=torch.bool, device=live.device)
+    grid[:R] = live
     g, t, j = grid.view(RG // G, G, T).permute(0, 2, 1).nonzero(as_tuple=True)
-    return ((g * G + j) * T + t).to(torch.int32), live.T
+    return ((g * G + j) * T + t).to(torch.int32)
+
+
+def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int,
+               group_b: int, swizzle: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, live)``: :func:`tile_ids` of :func:`live_grid`, and the grid."""
+    live = live_grid(tmap, lse, filter_eps, V, block_b, block_v)
+    return tile_ids(live, group_b, swizzle), live

@@ -19,12 +19,13 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["sort_order", "lookup", "remember", "clear", "MAX_ENTRIES"]
+__all__ = ["sort_order", "lookup", "remember", "pause", "paused", "clear", "MAX_ENTRIES"]
 
 MAX_ENTRIES = 8
 
 _lock = threading.Lock()
 _orders: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_pauses: dict = {}  # classifier key -> calls left without walking (filtering cannot pay)
 
 
 def sort_order(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None,
@@ -68,7 +69,31 @@ def remember(c: torch.Tensor, perm: torch.Tensor) -> None:
             _orders.popitem(last=False)
 
 
+def pause(c: torch.Tensor, calls: int) -> None:
+    """The next ``calls`` calls of classifier ``c`` do not use its order (see :func:`paused`)."""
+    with _lock:
+        _pauses[_key(c)] = calls
+        while len(_pauses) > MAX_ENTRIES:
+            _pauses.pop(next(iter(_pauses)))
+
+
+def paused(c: torch.Tensor) -> bool:
+    """True (and one call fewer left) while classifier ``c`` is paused: the planner found that its
+    tile map and sort cost more than they skip, so this call neither walks nor sorts."""
+    key = _key(c)
+    with _lock:
+        left = _pauses.get(key, 0)
+        if left <= 0:
+            return False
+        if left == 1:
+            del _pauses[key]
+        else:
+            _pauses[key] = left - 1
+        return True
+
+
 def clear() -> None:
-    """Forget every remembered order (the next call of each classifier sorts afresh)."""
+    """Forget every remembered order and pause (the next call of each classifier sorts afresh)."""
     with _lock:
         _orders.clear()
+        _pauses.clear()

@@ -110,7 +110,7 @@ def test_render_prints_the_variant_source(capsys):
     assert rc == 0
     assert "def cce_backward_kernel(" in out
     assert "BLOCK_B=64" in out and "FILTER_EPS=None" in out and "NUM_STAGES=2" in out
-    # strategy=auto (the default) is decided by filter_eps: exact gradients take the chunked kernel
+    # strategy=auto (the default) is decided per call by the planner; render shows its default, chunked
     rc, out, _ = run(capsys, "render", "backward", "filter_eps=none")
     assert rc == 0 and "def cce_grad_chunk_kernel(" in out and "STRATEGY=chunked" in out
     rc, out, _ = run(capsys, "render", "lse_forward", "merge=lock", "--bias", "--softcap")

@@ -145,14 +145,14 @@ def test_second_call_walks_the_remembered_order_and_matches_the_first(device, mo
     assert rel_err(e1, e0) <= 2 * bde + 1e-5 and rel_err(c1, c0) <= 2 * bdc + 1e-5
 
 
-@pytest.mark.parametrize("strategy", ["tiles", "sparse"])
+@pytest.mark.parametrize("strategy", ["tiles", "sparse", "chunked"])
 @pytest.mark.parametrize("walk", ["sorted", "random", None])
 @pytest.mark.parametrize("eps", [2.0**-12, 2.0**-5, 0.9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_mapped_backward_matches_the_oracle(strategy, walk, eps, dtype, device):
     # Odd shapes, ignored rows, shift, bias, softcap; a stale (random) order is slow, never wrong;
-    # without an order (walk=None: a first call) there is no map and "sparse" runs as "tiles";
-    # eps=0.9 leaves no tile live (only the target terms).
+    # without an order (walk=None: a first call) there is no map (the planner runs "sparse" as the
+    # fastest strategy that needs none); eps=0.9 leaves no tile live (only the target terms).
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy=strategy))
     res, (e, c, t, b) = run_case((3, 29), 301, 45, dtype, variants=kv, bias=True, softcap=9.0, shift=1,
                                  ignore=0.1, peaked=2.0, filter_eps="auto", walk=walk, device=device)
@@ -194,17 +194,21 @@ def test_map_is_not_made_without_filtering_or_for_forward_only_calls(device):
     assert seen[0] is None and seen[1] is None and seen[2] is not None
 
 
-@pytest.mark.parametrize("strategy, flat", [("auto", True), ("auto", False), ("tiles", True)])
-def test_auto_strategy_takes_chunks_when_the_map_leaves_most_tiles_live(strategy, flat, device, monkeypatch):
-    # Flat softmax: nearly every tile is live, so "auto" switches to the chunked strategy; peaked data
-    # (or an explicit "tiles") keeps the tile kernel. Results are correct either way.
-    chunked = []
-    real = kernels._backward_chunked
-    monkeypatch.setattr(kernels, "_backward_chunked", lambda *a, **k: (chunked.append(1), real(*a, **k))[1])
-    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-12 if flat else 2.0**-5, strategy=strategy))
+@pytest.mark.parametrize("flat", [True, False])
+def test_auto_strategy_runs_the_planners_choice(flat, device, monkeypatch):
+    # Strategy "auto": whatever the planner picks from the live share the map measures is what runs,
+    # and results are right either way (flat softmax: most tiles live; peaked: few).
+    from cce_autotune import planner
+
+    plans, launched = [], []
+    real_decide, real_backward = planner.decide, kernels.backward
+    monkeypatch.setattr(planner, "decide", lambda *a, **k: (lambda out: (plans.append(out[0]), out)[1])(real_decide(*a, **k)))
+    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (launched.append(a[12]), real_backward(*a, **k))[1])
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-12 if flat else 2.0**-5, strategy="auto"))
     res, (e, c, t, b) = run_case((61,), 1024, 45, torch.float32, variants=kv, bias=True, peaked=0.0 if flat else 2.0,
                                  filter_eps="auto", walk="sorted", device=device)
-    assert bool(chunked) == (strategy == "auto" and flat)
+    assert plans and plans[-1].live is not None and launched[-1] is plans[-1]
+    assert (plans[-1].live > 0.5) == flat
     bound_de, bound_dc = filtered_bound(e, c, t, b, kv.backward.filter_eps)
     res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
     res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
@@ -212,7 +216,7 @@ def test_auto_strategy_takes_chunks_when_the_map_leaves_most_tiles_live(strategy
     assert_within(res)
 
 
-@pytest.mark.parametrize("strategy, dtype", [("tiles", torch.bfloat16)])
+@pytest.mark.parametrize("strategy, dtype", [("tiles", torch.bfloat16), ("chunked", torch.bfloat16)])
 def test_map_path_is_as_accurate_as_the_first_call(strategy, dtype, device):
     # With nothing filtered (tiny eps) the map path must be as accurate as the first call: the onehot
     # is folded into g before g is rounded (a well-predicted target's softmax - 1 is small and must

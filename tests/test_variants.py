@@ -210,9 +210,3 @@ def test_backward_chunked_strategy(chunk_v, sort_vocab, eps, dtype, device):
         res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
         res.pop("dbias")
     assert_within(res)
-
-
-def test_auto_strategy_is_chunked_when_exact_and_tiles_when_filtering():
-    v = BackwardVariant()
-    assert v.resolved(None).strategy == "chunked" and v.resolved(2.0**-16).strategy == "tiles"
-    assert BackwardVariant(strategy="tiles").resolved(None).strategy == "tiles"

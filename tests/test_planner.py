@@ -1,0 +1,271 @@
+"""The planner: memory budgets, the choice among strategies, pausing, the fused forward, and every
+plan shape it can produce run against the float64 oracle."""
+
+import pytest
+import torch
+
+from cce_autotune import BackwardVariant, KernelVariants, LSEForwardVariant, kernels, linear_cross_entropy, planner, vocab_order
+from cce_autotune.planner import MiB, Problem, memory_budget, parse_bytes, plan_backward, plan_forward
+from helpers import grads_of, make_inputs, rel_err, torch_loss
+from test_loss import SMALL, assert_within, run_case
+from test_variants import filtered_bound
+
+HEADS = {  # (n, V, D) of the benchmark's heads
+    "gemma2": (8192, 256128, 2304), "llama3": (8192, 128256, 4096), "mistral": (8192, 32768, 4096),
+    "gpt768": (8192, 50000, 768), "gpt4096": (8192, 50000, 4096),
+}
+
+
+def problem(name, sorted_vocab=True, elem=2):
+    n, V, D = HEADS[name]
+    return Problem(n=n, n_all=n, V=V, D=D, elem=elem, grad_bytes=elem * (n + V) * D, sorted_vocab=sorted_vocab,
+                   map_bytes=n * -(-V // 256) if sorted_vocab else 0)
+
+
+def default_budget(p):
+    return memory_budget("auto", p.grad_bytes, 4 * p.n_all * p.D)
+
+
+# -- sizes and budgets ------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [("512MiB", 512 * MiB), ("2 GB", 2 * 10**9), ("1.5GiB", int(1.5 * 2**30)),
+                                            ("1024", 1024), (4096, 4096), ("auto", "auto"), ("none", None), (None, None)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "12 parsecs", -1, float("nan"), True, [1]])
+def test_parse_bytes_names_the_argument(bad):
+    with pytest.raises(ValueError, match="max_extra_memory"):
+        parse_bytes(bad)
+
+
+def test_memory_budget_default_environment_and_explicit(monkeypatch):
+    monkeypatch.delenv(planner.ENV_MAX_EXTRA, raising=False)
+    assert memory_budget("auto", 1000 * MiB, 10 * MiB) == int(0.05 * 1000 * MiB) + 32 * MiB + 10 * MiB
+    monkeypatch.setenv(planner.ENV_MAX_EXTRA, "3GiB")
+    assert memory_budget("auto", 1000 * MiB) == 3 * 2**30
+    assert memory_budget(123, 1000 * MiB) == 123  # an explicit argument wins over the environment
+    assert memory_budget(None, 1000 * MiB) is None
+    monkeypatch.setenv(planner.ENV_MAX_EXTRA, "plenty")
+    with pytest.raises(ValueError, match=planner.ENV_MAX_EXTRA):
+        memory_budget("auto", 1000 * MiB)
+
+
+def test_loss_rejects_a_bad_budget_naming_the_argument(device):
+    e, c, t, _ = make_inputs((8,), 32, 16, torch.float32, device=device)
+    with pytest.raises(ValueError, match="max_extra_memory"):
+        linear_cross_entropy(e, c, t, max_extra_memory="a lot")
+
+
+# -- choices ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(HEADS))
+@pytest.mark.parametrize("live", [0.05, 0.25, 0.5, 1.0])
+def test_every_plan_fits_the_default_budget(name, live):
+    p = problem(name)
+    budget = default_budget(p)
+    plan = plan_backward(p, BackwardVariant(), has_map=True, live=live, live_chunks=min(1.0, 3 * live), budget=budget)
+    assert plan.extra_bytes <= budget, plan.describe()
+    # No V x D fp32 scratch in a default plan: the tile kernel takes dC in windows.
+    assert plan.strategy != "tiles" or 0 < plan.window_v < p.V
+    exact = plan_backward(problem(name, sorted_vocab=False), BackwardVariant(), has_map=False, budget=budget, exact=True)
+    assert exact.strategy == "chunked" and exact.de_fp32 and exact.extra_bytes <= budget
+
+
+def test_few_live_tiles_take_the_tile_kernel_many_take_the_chunked_strategy():
+    p = problem("llama3")
+    few = plan_backward(p, BackwardVariant(), has_map=True, live=0.05, live_chunks=0.5, budget=None)
+    many = plan_backward(p, BackwardVariant(), has_map=True, live=0.9, live_chunks=1.0, budget=None)
+    assert few.strategy == "tiles" and few.window_v == 0  # unlimited: one V x D scratch
+    assert many.strategy == "chunked"
+    assert few.cost < many.cost
+    assert "chunked" in dict((a[0], a) for a in few.alternatives)
+
+
+def test_an_explicit_strategy_runs_when_it_fits_and_is_replaced_when_it_does_not():
+    p = problem("gemma2")
+    v = BackwardVariant(strategy="sparse")
+    fits = plan_backward(p, v, has_map=True, live=0.02, live_chunks=0.5, budget=None)
+    assert fits.strategy == "sparse" and "asks for it" in fits.reason
+    tight = plan_backward(p, v, has_map=True, live=0.5, live_chunks=1.0, budget=default_budget(p))
+    assert tight.strategy != "sparse" and "sparse exceeds the budget" in tight.reason
+    nomap = plan_backward(p, v, has_map=False, budget=None)
+    assert nomap.strategy != "sparse" and "cannot run" in nomap.reason
+
+
+def test_nothing_fits_takes_the_smallest_and_says_so():
+    p = problem("mistral")
+    plan = plan_backward(p, BackwardVariant(), has_map=True, live=0.3, live_chunks=1.0, budget=1)
+    assert "nothing fits" in plan.reason
+    assert plan.extra_bytes == min([plan.extra_bytes] + [a[2] for a in plan.alternatives])
+
+
+def test_chunks_narrow_then_de_goes_to_its_own_dtype_as_the_budget_shrinks():
+    p = problem("llama3", sorted_vocab=False)
+    wide = planner.chunked_shape(p, 128, 4096, None, exact=False)
+    assert wide == (4096, True)
+    mid = planner.chunked_shape(p, 128, 4096, planner.chunked_bytes(p, 1024, True, True), exact=False)
+    assert mid == (1024, True)
+    small = planner.chunked_shape(p, 128, 4096, planner.chunked_bytes(p, 2048, False, True), exact=False)
+    assert small == (2048, False)
+    assert planner.chunked_shape(p, 128, 4096, 64 * MiB, exact=True)[1]  # exact keeps its fp32 dE
+
+
+def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
+    p = problem("gpt4096")
+    v = BackwardVariant()
+    plan = plan_forward(p, v, paused=True, allowed=True)
+    assert plan is not None and plan.strategy == "fused" and plan.row_block >= planner.FUSED_MIN_ROWS
+    assert plan.extra_bytes <= default_budget(p)
+    assert plan_forward(p, v, paused=False, allowed=True) is None  # nothing says most tiles are live
+    assert plan_forward(p, v, paused=True, allowed=False) is None  # e.g. reduction "none"
+    assert plan_forward(p, v, paused=True, allowed=True, max_extra_memory=MiB) is None  # no room for a block
+    assert plan_forward(p, v.replace(strategy="fused"), paused=False, allowed=True) is not None
+
+
+def test_pause_when_filtering_cannot_pay(device, monkeypatch):
+    # A map that leaves every tile live: the mapped plans cost as much as computing everything, so
+    # the classifier's next calls neither walk nor sort; a peaked map does not pause. (Without the
+    # mapped path's fixed cost, which at this tiny size would pause everything.)
+    from cce_autotune.tile_map import TileMap
+
+    monkeypatch.setitem(planner.COSTS, "h200", planner.CostModel(map_ms=0.0))
+    n, V, D = 64, 512, 32
+    v = BackwardVariant(block_b=16, block_v=32, block_d=16)
+    p = Problem(n=n, n_all=n, V=V, D=D, elem=4, grad_bytes=4 * (n + V) * D, sorted_vocab=True, map_bytes=n * V // 32)
+    perm = torch.arange(V, dtype=torch.int32, device=device)
+    zt, lse = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    flat = TileMap(q=torch.full((V // 32, n), 127, dtype=torch.int8, device=device), block_v=32, perm=perm, zt=zt)
+    plan, live, chunks, pause = planner.decide(p, v, 2.0**-12, flat, lse, max_extra_memory=None)
+    assert pause and not plan.use_map and live is None  # this call filters nothing either
+    assert "filtering cannot pay (live tiles 100.0%)" in plan.reason
+    peaked = TileMap(q=torch.full((V // 32, n), -128, dtype=torch.int8, device=device), block_v=32, perm=perm, zt=zt)
+    peaked.q[0] = 127
+    plan, live, chunks, pause = planner.decide(p, v, 2.0**-12, peaked, lse, max_extra_memory=None)
+    assert plan.live < 0.1 and not pause and live is not None
+
+
+def test_paused_classifier_skips_the_walk_then_probes_again(device, monkeypatch):
+    e, c, t, _ = make_inputs((40,), 100, 32, torch.float32, peaked=2.0, device=device)
+    c.requires_grad_()
+    walked = []
+    real = kernels.lse_forward
+    monkeypatch.setattr(kernels, "lse_forward", lambda *a, **k: (walked.append(k.get("perm") is not None), real(*a, **k))[1])
+    monkeypatch.setattr(planner, "plan_forward", lambda *a, **k: None)  # keep the paused calls on the LSE path
+    kv = SMALL.replace(backward=SMALL.backward.replace(tile_map=True, filter_eps=2.0**-8))
+    linear_cross_entropy(e, c, t, impl="triton", variants=kv).backward()  # sorts, remembers
+    vocab_order.pause(c, 2)
+    for _ in range(3):
+        linear_cross_entropy(e, c, t, impl="triton", variants=kv).backward()
+    assert walked == [False, False, False, True]
+
+
+def test_explain_prints_each_new_plan_once(device, monkeypatch, capsys):
+    monkeypatch.setenv(planner.ENV_EXPLAIN, "1")
+    planner._seen.clear()
+    e, c, t, _ = make_inputs((40,), 100, 32, torch.float32, device=device)
+    for _ in range(2):
+        ee = e.clone().requires_grad_()
+        linear_cross_entropy(ee, c, t, impl="triton", variants=SMALL, filter_eps=None).backward()
+    err = capsys.readouterr().err
+    assert err.count("cce_autotune plan (n=40, V=100, D=32): backward ") == 1, err
+    assert "est " in err and "MiB extra (budget" in err
+
+
+# -- every plan shape against the oracle ------------------------------------------------------
+def _force(monkeypatch, **shapes):
+    """Make the planner produce the given shapes whatever the budget (tiny tests fit everything)."""
+    if "chunk" in shapes:
+        monkeypatch.setattr(planner, "chunked_shape", lambda p, bv, cv, budget, exact: shapes["chunk"])
+    if "window" in shapes:
+        monkeypatch.setattr(planner, "tiles_window", lambda p, bv, n_live, budget: shapes["window"])
+
+
+MAPPED = SMALL.replace(
+    lse_forward=LSEForwardVariant(block_b=16, block_v=32, block_d=16, num_splits=3),
+    backward=BackwardVariant(block_b=16, block_v=32, block_d=16, tile_map=True),
+)
+
+
+def lm_inputs(batch, V, D, dtype, *, bias=False, seed=0, peaked=0.0, device="cpu"):
+    """LM-like inputs (Zipfian targets, frequent tokens ahead for every row) in make_inputs' form:
+    the data where whole vocabulary chunks are dead."""
+    from cce_autotune.data import lm_like
+
+    n = 1
+    for k in batch:
+        n *= k
+    e, c, t = lm_like(n, V, D, dtype=torch.float32, seed=seed, entropy=1.5)
+    b = torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 0.1 if bias else None
+    cast = lambda x: x.to(device=device, dtype=dtype) if x is not None else None  # noqa: E731
+    return cast(e.view(*batch, D)), cast(c), t.view(batch).to(device), cast(b)
+
+
+@pytest.mark.parametrize("strategy, shapes", [
+    ("chunked", dict(chunk=(64, True))),   # several chunks, fp32 dE
+    ("chunked", dict(chunk=(64, False))),  # dE accumulated in its own dtype
+    ("tiles", dict(window=64)),            # the tile kernel with dC in windows
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("eps", [2.0**-12, 2.0**-6])
+def test_plan_shapes_match_the_oracle(strategy, shapes, dtype, eps, device, monkeypatch):
+    # Odd shapes, ignored rows, shift, bias, softcap, a primed order (so the map path runs); with
+    # eps = 2^-6 whole chunks are dead and skipped (their target terms come from outside).
+    import test_loss
+
+    _force(monkeypatch, **shapes)
+    monkeypatch.setattr(test_loss, "make_inputs", lm_inputs)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy=strategy))
+    plans = []
+    real = kernels.backward
+    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (plans.append(a[12]), real(*a, **k))[1])
+    res, (e, c, t, b) = run_case((3, 41), 601, 45, dtype, variants=kv, bias=True, softcap=30.0, shift=1,
+                                 ignore=0.1, peaked=3.0, filter_eps="auto", walk="sorted", device=device)
+    plan = plans[-1]
+    assert plan.strategy == strategy and plan.use_map
+    if strategy == "chunked" and eps == 2.0**-6:
+        assert plan.live_chunks < 1.0, "the test should skip whole chunks"
+    bound_de, bound_dc = filtered_bound(e[:, :-1], c, t[:, 1:], b, eps)
+    res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
+    res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
+    res.pop("dbias")
+    assert_within(res)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("features", ["plain", "bias+softcap+shift"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_matches_the_oracle(reduction, features, dtype, device, monkeypatch):
+    full = features != "plain"
+    monkeypatch.setattr(planner, "FUSED_MIN_ROWS", 1)
+    kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
+    seen = []
+    real = kernels.fused
+    monkeypatch.setattr(kernels, "fused", lambda *a, **k: (seen.append(a[-1]), real(*a, **k))[1])
+    res, _ = run_case((3, 37), 301, 45, dtype, variants=kv, bias=full, softcap=12.0 if full else None,
+                      shift=1 if full else 0, reduction=reduction, ignore=0.1, filter_eps="auto", device=device)
+    assert seen, "the fused strategy did not run"
+    assert_within(res)
+
+
+def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(device, monkeypatch):
+    # Blocks of 16 rows (dC summed over blocks); a loss multiplied by 3 gets 3x the gradients.
+    monkeypatch.setattr(planner, "FUSED_MIN_ROWS", 1)
+    monkeypatch.setattr(planner, "fused_bytes", lambda p, R, dense_rows=True: R * 1000)
+    kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
+    e, c, t, _ = make_inputs((70,), 130, 40, torch.float32, device=device)
+    _, (ge, gc) = grads_of(lambda e_, c_: 3 * linear_cross_entropy(e_, c_, t, impl="triton", variants=kv,
+                                                                   max_extra_memory=16 * 1000), e, c)
+    _, (re, rc) = grads_of(lambda e_, c_: 3 * torch_loss(e_, c_, t), e.double(), c.double())
+    assert rel_err(ge, re) < 1e-5 and rel_err(gc, rc) < 1e-5
+
+
+def test_fused_is_not_used_where_it_cannot_be(device, monkeypatch):
+    # reduction "none" (per-row incoming gradients) and a returned LSE (its gradient) need a backward.
+    monkeypatch.setattr(planner, "FUSED_MIN_ROWS", 1)
+    kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
+    called = []
+    monkeypatch.setattr(kernels, "fused", lambda *a, **k: called.append(1))
+    for kw in (dict(reduction="none"), dict(return_lse=True)):
+        res, _ = run_case((20,), 64, 32, torch.float32, variants=kv, filter_eps="auto", device=device, **kw)
+        assert_within(res)
+    assert not called

@@ -1,0 +1,151 @@
+"""Real data (cce_autotune.realdata): the standard-library corpus, the small GPT trained on it, the
+cached results, make_data("real"), and the benchmark's real-data options (CPU, tiny models)."""
+
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cce_autotune import bench, realdata
+from cce_autotune.data import make_data
+
+# A model that trains in about two seconds on one CPU core and still learns more than token frequencies.
+TINY = dict(layers=2, seq=64, tokens_per_step=1024)
+V, D, B, STEPS = 300, 64, 512, 60
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: thread hand-offs cost more than they save (and the other core may be busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CCE_AUTOTUNE_DATA_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_tokenize():
+    text = "def f(x):\n    return x+10  # 'hi'\n\nclass Ä_1: pass\n"
+    assert realdata.tokenize(text) == [
+        "def", "f", "(", "x", ")", ":", "\n    ", "return", "x", "+", "10", "#", "'", "hi", "'", "\n", "\n",
+        "class", "Ä_1", ":", "pass", "\n"]
+    assert realdata.tokenize(text) == realdata.tokenize(text)
+
+
+def test_corpus_vocabulary_and_disk_cache(data_dir, monkeypatch):
+    realdata._corpora.clear()  # build it here, into this test's folder
+    corpus = realdata.load_corpus()
+    assert len(corpus) > 100_000 and corpus.ranks.dtype == torch.int32
+    counts = torch.bincount(corpus.ranks.long()).tolist()  # by rank: most frequent first, ties by text
+    assert len(counts) == len(corpus.words) == len(set(corpus.words))
+    assert all(a > b or (a == b and u < w) for a, b, u, w in zip(counts, counts[1:], corpus.words, corpus.words[1:]))
+    for v in (2, 300, 50_000):
+        vocab = corpus.vocab(v)
+        assert len(vocab) == v == len(set(vocab)) and vocab.count("<unk>") == 1
+        ids = corpus.ids(v)
+        assert ids.dtype == torch.int64 and ids.shape == (len(corpus),)
+        assert 0 <= int(ids.min()) and int(ids.max()) < v
+    vocab, ids = corpus.vocab(V), corpus.ids(V)
+    assert {"(", ")", "def", "self", "\n"} <= set(vocab)  # the most frequent tokens are kept
+    first_file = realdata._stdlib_files(Path(sysconfig.get_paths()["stdlib"]))[0]
+    first = realdata.tokenize(first_file.read_text(encoding="utf-8", errors="replace"))[:200]
+    assert [vocab[i] for i in ids[:len(first)].tolist()] == [w if w in vocab else "<unk>" for w in first]
+    train, held = corpus.split(V)
+    assert len(train) + len(held) == len(corpus) and len(held) == pytest.approx(0.05 * len(corpus), rel=0.01)
+    # The second load reads the cache instead of tokenizing, and gives the same corpus.
+    assert list(data_dir.glob("corpus_*.pt"))
+    realdata._corpora.clear()
+    monkeypatch.setattr(realdata, "_build_corpus", lambda *a: pytest.fail("corpus rebuilt despite the cache"))
+    again = realdata.load_corpus()
+    assert torch.equal(again.ranks, corpus.ranks) and again.words == corpus.words
+
+
+def test_real_data_trains_learns_and_caches(data_dir, tmp_path_factory, monkeypatch):
+    e, c, t = realdata.real_data(B, V, D, torch.bfloat16, "cpu", seed=0, steps=STEPS, **TINY)
+    assert e.shape == (B, D) and c.shape == (V, D) and t.shape == (B,)
+    assert e.dtype == c.dtype == torch.bfloat16 and t.dtype == torch.int64
+    assert e.device.type == c.device.type == t.device.type == "cpu"
+    assert e.is_contiguous() and c.is_contiguous()
+    assert torch.isfinite(e.float()).all() and torch.isfinite(c.float()).all()
+    assert 0 <= int(t.min()) and int(t.max()) < V
+    # Learned: held-out loss far below uniform guessing, and below a unigram model of the training text.
+    e32, c32, _ = realdata.real_data(B, V, D, torch.float32, "cpu", seed=0, steps=STEPS, **TINY)  # from the cache
+    loss = float(F.cross_entropy(e32 @ c32.T, t))
+    train, _ = realdata.load_corpus().split(V)
+    unigram = float(-torch.log(torch.bincount(train, minlength=V).double() / len(train))[t].mean())
+    assert loss < math.log(V) - 1.5 and loss < unigram - 0.2, (loss, unigram, math.log(V))
+    assert torch.equal(e32.to(torch.bfloat16), e)
+    # Cached: the second call does not train.
+    files = list(data_dir.glob("real_*.pt"))
+    assert len(files) == 1
+    monkeypatch.setattr(realdata, "_train_and_sample", lambda *a: pytest.fail("trained again despite the cache"))
+    e2, c2, t2 = realdata.real_data(B, V, D, torch.bfloat16, "cpu", seed=0, steps=STEPS, **TINY)
+    assert torch.equal(e2, e) and torch.equal(c2, c) and torch.equal(t2, t)
+    monkeypatch.undo()
+    # Deterministic: a fresh cache folder trains again and gets the same tensors; another seed does not.
+    monkeypatch.setenv("CCE_AUTOTUNE_DATA_DIR", str(tmp_path_factory.mktemp("fresh")))
+    e3, c3, t3 = make_data("real", B, V, D, torch.bfloat16, "cpu", 0, steps=STEPS, **TINY)
+    assert torch.equal(e3, e) and torch.equal(c3, c) and torch.equal(t3, t)
+    e4, _, t4 = realdata.real_data(B, V, D, torch.bfloat16, "cpu", seed=1, steps=STEPS, **TINY)
+    assert torch.equal(t4, t) and not torch.equal(e4, e)  # same held-out text, another model
+
+
+def test_gpt_config_and_errors(data_dir):
+    assert [(realdata.GPTConfig.for_width(50000, d).layers, realdata.GPTConfig.for_width(50000, d).heads)
+            for d in (768, 2048, 4096)] == [(6, 12), (4, 16), (2, 32)]
+    assert realdata.GPTConfig.for_width(300, 45).heads == 1
+    with pytest.raises(ValueError, match="^D:"):
+        realdata.GPTConfig.for_width(300, 0)
+    with pytest.raises(ValueError, match="^B:"):
+        realdata.real_data(0, V, D)
+    with pytest.raises(ValueError, match="^V:"):
+        realdata.load_corpus().ids(1)
+    model = realdata.GPT.create(realdata.GPTConfig.for_width(V, 32, layers=1, seq=64))
+    with pytest.raises(ValueError, match="^tokens_per_step:"):
+        realdata.pretrain(model, torch.arange(1000) % V, steps=1, tokens_per_step=100, seed=0)
+
+
+def test_make_data_unknown_kind():
+    with pytest.raises(ValueError, match=r"^data: 'bogus' is not one of \['lm', 'random', 'real'\]"):
+        make_data("bogus", 8, 16, 4)
+
+
+def test_bench_shapes_and_arguments(capsys):
+    assert [s[0] for s in bench.resolve_shapes(None, "real")] == ["gpt768", "gpt2048", "gpt4096"]
+    assert [s[0] for s in bench.resolve_shapes(None, "lm")] == ["gemma2", "llama3", "mistral"]
+    assert bench.resolve_shapes("gpt768,64:300:32", "lm") == [("gpt768", 8192, 50000, 768), ("64x300x32", 64, 300, 32)]
+    with pytest.raises(ValueError, match="^--shapes: 'gpt9'"):
+        bench.resolve_shapes("gpt9", "real")
+    assert bench.parse_data("lm,real") == ["lm", "real"]
+    with pytest.raises(ValueError, match="^--data: 'reel'"):
+        bench.parse_data("lm,reel")
+    for argv, message in ((["--data", "reel"], "--data: 'reel'"), (["--train", "--dtype", "fp32"], "--dtype:"),
+                          (["--train-steps", "-1"], "--train-steps:"),
+                          (["--train", "--shapes", "1000:300:32"], "--shapes: 1000x300x32 has B=1000")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_train_loop_on_cpu(data_dir):
+    """The training-loop benchmark end to end on a tiny head (CPU: fp32, the PyTorch path of the loss)."""
+    methods = [m for m in bench._methods(include_peers=False) if m.name in ("torch", "cce_autotune", "cce_autotune_exact")]
+    lines = []
+    rows = bench.run_train("tiny", 256, V, 32, methods, {"gpu": "cpu"}, pretrain_steps=20, loop_steps=4, warmup=1,
+                           device="cpu", layers=1, seq=64, log=lines.append)
+    assert [r["method"] for r in rows] == ["torch", "cce_autotune", "cce_autotune_exact"], lines
+    for r in rows:
+        assert r["pass"] == "train_step" and r["data"] == "real" and r["dtype"] == "float32"
+        assert r["p20_ms"] <= r["median_ms"] <= r["p80_ms"] and r["median_ms"] > 0
+        assert r["err_loss"] < 1e-4  # same weights, same batches, exact losses: the same training
+    assert rows[0]["err_loss"] == 0
+    with pytest.raises(ValueError, match="^--shapes: tiny has B=100"):
+        bench.run_train("tiny", 100, V, 32, methods, {}, device="cpu", seq=64)
