@@ -128,7 +128,8 @@ def test_pause_when_filtering_cannot_pay(device, monkeypatch):
     # mapped path's fixed cost, which at this tiny size would pause everything.)
     from cce_autotune.tile_map import TileMap
 
-    monkeypatch.setitem(planner.COSTS, "h200", planner.CostModel(map_ms=0.0))
+    monkeypatch.setitem(planner.COSTS, "h200", planner.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0))
+    monkeypatch.setattr(planner, "cost_model", lambda gpu: planner.COSTS["h200"])
     n, V, D = 64, 512, 32
     v = BackwardVariant(block_b=16, block_v=32, block_d=16)
     p = Problem(n=n, n_all=n, V=V, D=D, elem=4, grad_bytes=4 * (n + V) * D, sorted_vocab=True, map_bytes=n * V // 32)
