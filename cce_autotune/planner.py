@@ -87,8 +87,10 @@ class CostModel:
     flops_per_byte: float = 200.0  # matmul rate over memory bandwidth: what a byte moved costs
     matmul_tflops: float = 700.0  # cuBLAS bf16 rate: converts the fixed costs below into matmuls
     map_ms: float = 1.5  # a mapped backward's fixed cost: sort key, live grid, host copy, target terms
-    chunk_ms: float = 0.04  # the chunked strategy's fixed cost per computed chunk (launches, dC slice)
-    gather_chunk_ms: float = 0.08  # and more per chunk in a sorted order (C and dC rows gathered)
+    chunk_ms: float = 0.19  # host time per chunk of the chunked strategy (a kernel launch, two cuBLAS calls)
+    gather_chunk_ms: float = 0.1  # and more per chunk in a sorted order (C and dC rows gathered)
+    block_ms: float = 0.12  # host time per block of rows of the fused strategy
+    window_ms: float = 0.3  # per dC window of the mapped tile strategy (the launch's tail, the rounding pass)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -302,7 +304,8 @@ def plan_backward(p: Problem, variant, *, has_map: bool, live: float | None = No
     elif use_map:
         found = tiles_window(p, bv, n_live, budget)
         window = found or 0
-        options["tiles"] = (fixed + tiles_cost, tiles_bytes(p, True, n_live, window) if found is not None
+        windows = costs.window_ms * -(-p.V // window) / mm_ms(p, costs) if window else 0.0
+        options["tiles"] = (fixed + tiles_cost + windows, tiles_bytes(p, True, n_live, window) if found is not None
                             else tiles_bytes(p, True, n_live))
     else:
         options["tiles"] = (tiles_cost, tiles_bytes(p, False, 0))
@@ -376,7 +379,8 @@ def fused_cost(p: Problem, costs: CostModel, row_block: int) -> float:
     reuse = max(1.0, costs.flops_per_byte / R)
     traffic = (12 + 3 * p.elem) * costs.flops_per_byte / (2 * p.D)
     dc_traffic = p.elem * costs.flops_per_byte / R  # dC read and written once per block of rows
-    return 1.5 * costs.products * reuse + traffic + dc_traffic
+    host = costs.block_ms * -(-p.n // R) / mm_ms(p, costs)
+    return max(1.5 * costs.products * reuse + traffic + dc_traffic, host)
 
 
 def plan_forward(p: Problem, variant, *, paused: bool, allowed: bool, dense_rows: bool = True,
@@ -437,11 +441,13 @@ PAUSE_CALLS = 15
 
 def chunked_cost(p: Problem, costs: CostModel, live: float, live_chunks: float, chunk_v: int, de_fp32: bool) -> float:
     """The chunked strategy's estimate: recompute of the live tiles, and per live chunk the two
-    products plus the traffic of the g block (written, read twice) and of dE (read, written)."""
+    products plus the traffic of the g block (written, read twice) and of dE (read, written) - or
+    the host's time to launch the chunks, where that is longer."""
     traffic = 1.5 * p.elem * costs.flops_per_byte / p.D + (4 if de_fp32 else 2) * costs.flops_per_byte / max(1, chunk_v)
+    device = costs.recompute * live + live_chunks * (costs.products + traffic)
     per_chunk = costs.chunk_ms + (costs.gather_chunk_ms if p.sorted_vocab else 0.0)
-    fixed = per_chunk / mm_ms(p, costs) * -(-p.V // max(1, chunk_v))
-    return costs.recompute * live + live_chunks * (costs.products + traffic + fixed)
+    host = per_chunk * live_chunks * -(-p.V // max(1, chunk_v)) / mm_ms(p, costs)
+    return max(device, host)
 
 
 def mm_ms(p: Problem, costs: CostModel) -> float:
