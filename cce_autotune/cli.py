@@ -246,6 +246,8 @@ def _cmd_show(args, out, err) -> int:
         found = True
         cfg = db.load_file(path, expect_gpu=gpu)
         out.write(f"  {path}: {len(cfg.entries)} entries\n")
+        if cfg.cost_model:
+            out.write("    planner cost model: " + ", ".join(f"{k}={v}" for k, v in cfg.cost_model.items()) + "\n")
         for e in cfg.entries:
             speed = f"{e.speedup:.2f}x default" if e.speedup else "default did not run"
             out.write(f"    {e.key.describe():<60} {e.median_ms:9.4g} ms  {speed}  ({e.tuned_on})\n")

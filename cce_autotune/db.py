@@ -16,6 +16,10 @@ One file per GPU slug::
       template_hash: 1f0c...                              # codegen.template_hash(kernel) it was tuned on
       tuned_on: '2026-12-01T10:31:05+00:00'
 
+An optional top-level ``cost_model:`` mapping holds the planner's cost coefficients for the GPU
+(numbers by name, see :class:`cce_autotune.planner.CostModel`, plus ``measured_on`` / ``note``
+strings); saving entries keeps it.
+
 Loading validates everything (a bad file raises :class:`ConfigDBError` naming the file and the
 problem). Saving is atomic (temp file + ``os.replace``) and locked (``fcntl.flock`` on a sidecar
 ``.lock`` file): the file is re-read under the lock and merged, so concurrent writers lose nothing, and
@@ -227,6 +231,7 @@ class ConfigFile:
     path: Path
     gpu: str
     entries: list  # of Entry, at most one per key
+    cost_model: dict | None = None  # the planner's coefficients for this GPU (name -> number, provenance)
 
     def by_key(self) -> dict:
         return {e.key: e for e in self.entries}
@@ -246,7 +251,7 @@ def parse_config(text: str, path: str | Path, expect_gpu: str | None = None) -> 
         raise ConfigDBError(
             path, f"schema_version {data['schema_version']!r} is not supported (this version reads {SCHEMA_VERSION})"
         )
-    unknown = sorted(set(data) - {"schema_version", "gpu", "entries"})
+    unknown = sorted(set(data) - {"schema_version", "gpu", "entries", "cost_model"})
     if unknown:
         raise ConfigDBError(path, f"unknown top-level key(s) {unknown}")
     gpu = data.get("gpu")
@@ -266,7 +271,32 @@ def parse_config(text: str, path: str | Path, expect_gpu: str | None = None) -> 
         if entry.key in entries:
             raise ConfigDBError(path, f"entries[{i}]: key {entry.key.describe()} appears twice")
         entries[entry.key] = entry
-    return ConfigFile(path=Path(path), gpu=gpu, entries=list(entries.values()))
+    try:
+        cost_model = _cost_model(data.get("cost_model"))
+    except ValueError as exc:
+        raise ConfigDBError(path, str(exc)) from None
+    return ConfigFile(path=Path(path), gpu=gpu, entries=list(entries.values()), cost_model=cost_model)
+
+
+_COST_TEXT = ("measured_on", "note")
+
+
+def _cost_model(data: Any) -> dict | None:
+    """The ``cost_model`` section: coefficient names -> positive finite numbers, and the provenance
+    strings in _COST_TEXT (which coefficients exist is the planner's business)."""
+    if data is None:
+        return None
+    if not isinstance(data, Mapping):
+        raise ValueError("cost_model: expected a mapping of coefficient -> number")
+    out = {}
+    for k, v in data.items():
+        if k in _COST_TEXT:
+            if not isinstance(v, str):
+                raise ValueError(f"cost_model.{k}: expected a string, got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"cost_model.{k}: expected a non-negative number, got {v!r}")
+        out[str(k)] = v
+    return out
 
 
 def load_file(path: str | Path, expect_gpu: str | None = None) -> ConfigFile:
@@ -320,8 +350,11 @@ def _locked(path: Path) -> Iterator[None]:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _dump(gpu: str, entries: list) -> str:
-    body = {"schema_version": SCHEMA_VERSION, "gpu": gpu, "entries": [e.to_dict() for e in entries]}
+def _dump(gpu: str, entries: list, cost_model: dict | None = None) -> str:
+    body = {"schema_version": SCHEMA_VERSION, "gpu": gpu}
+    if cost_model:
+        body["cost_model"] = dict(cost_model)
+    body["entries"] = [e.to_dict() for e in entries]
     return _HEADER + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
 
 
@@ -349,9 +382,9 @@ def save_entries(path: str | Path, entries: Iterable[Entry], gpu: str | None = N
     gpu = gpu or path.stem
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
-        existing = load_file(path, expect_gpu=gpu).entries if path.exists() else []
-        merged, report = merge_entries(existing, entries)
-        _write_atomic(path, _dump(gpu, merged))
+        stored = load_file(path, expect_gpu=gpu) if path.exists() else None
+        merged, report = merge_entries(stored.entries if stored else [], entries)
+        _write_atomic(path, _dump(gpu, merged, stored.cost_model if stored else None))
     return report
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "b_bucket",
     "tune_command",
     "clear_cache",
+    "cost_model_for",
 ]
 
 ENV_GPU = "CCE_AUTOTUNE_GPU"
@@ -226,12 +227,34 @@ def _entries(slug: str, env_key: tuple) -> list[tuple[db.Entry, Path]]:
     return hit
 
 
+_cost_cache: dict[tuple, dict | None] = {}
+
+
+def cost_model_for(slug: str) -> tuple[dict, Path] | None:
+    """The planner's cost coefficients for GPU ``slug``: the ``cost_model`` section of the first
+    ``<slug>.yaml`` along the search path that has one, with its file; None without one."""
+    key = (slug, _env_key())
+    if key not in _cost_cache:
+        found = None
+        for d in config_search_path():
+            path = d / f"{slug}.yaml"
+            if path.is_file():
+                cfg = db.load_file(path, expect_gpu=slug)
+                if cfg.cost_model:
+                    found = (cfg.cost_model, path)
+                    break
+        with _lock:
+            _cost_cache[key] = found
+    return _cost_cache[key]
+
+
 def clear_cache() -> None:
     """Forget every cached lookup, file and alias table (and allow the fallback warning again)."""
     global _warned
     with _lock:
         _entries_cache.clear()
         _select_cache.clear()
+        _cost_cache.clear()
         _alias_table.cache_clear()
         _device_slug.cache_clear()
         _warned = False

@@ -96,13 +96,40 @@ class CostModel:
         return dict(self.__dict__)
 
 
-# Built-in coefficients per GPU slug (measured on the H200 with the benchmark's LM-like and real
-# data; other GPUs take the H200's until `cce-tune` measures theirs).
+# Built-in coefficients: the defaults of CostModel, measured on the H200 (2026-11-30) with the
+# benchmark's LM-like and real heads. A GPU's tuned-config file may carry its own (``cost_model:``
+# in ``tuned_configs/<slug>.yaml``); GPUs without one take these.
 COSTS: dict[str, CostModel] = {"h200": CostModel()}
 
 
 def cost_model(gpu: str | None) -> CostModel:
-    return COSTS.get(gpu or "", COSTS["h200"])
+    """The coefficients for GPU slug ``gpu``: its tuned-config file's ``cost_model`` section over the
+    built-in defaults, else the built-in ones (the H200's for an unknown GPU or the CPU)."""
+    base = COSTS.get(gpu or "", COSTS["h200"])
+    if not gpu or gpu == "cpu":
+        return base
+    from .dispatch import cost_model_for
+
+    found = cost_model_for(gpu)
+    if found is None:
+        return base
+    return _from_file(base, *found)
+
+
+_file_costs: dict = {}
+
+
+def _from_file(base: CostModel, data: dict, path) -> CostModel:
+    key = (base, tuple(sorted(data.items())))
+    hit = _file_costs.get(key)
+    if hit is None:
+        names = set(base.to_dict())
+        unknown = sorted(k for k in data if k not in names and k not in ("measured_on", "note"))
+        if unknown:
+            raise ValueError(f"{path}: cost_model: unknown coefficient(s) {unknown}; known: {sorted(names)}")
+        hit = replace(base, **{k: float(v) for k, v in data.items() if k in names})
+        _file_costs[key] = hit
+    return hit
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": MiB, "mb": 10**6, "mib": MiB,

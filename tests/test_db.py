@@ -133,3 +133,40 @@ def test_bad_alias_file_names_it(tmp_path):
     with pytest.raises(db.ConfigDBError, match=r"contains\[0\]") as err:
         db.load_aliases([bad])
     assert str(bad) in str(err.value)
+
+
+def test_cost_model_section_is_validated_kept_by_saves_and_read_by_the_planner(isolated):
+    from cce_autotune import dispatch, planner
+
+    path = isolated["config"] / "a100.yaml"
+    doc = _valid_doc()
+    doc["gpu"] = "a100"
+    doc["cost_model"] = {"tiles_per_live": 6.5, "chunk_ms": 0.05, "measured_on": "2026-12-01"}
+    path.write_text(yaml.safe_dump(doc))
+    assert db.load_file(path).cost_model["tiles_per_live"] == 6.5
+    # Saving new entries keeps the section.
+    db.save_entries(path, [make_entry(B=4096)], gpu="a100")
+    assert db.load_file(path).cost_model == doc["cost_model"]
+    # The planner takes the file's coefficients over the built-in ones, name by name.
+    dispatch.clear_cache()
+    costs = planner.cost_model("a100")
+    assert costs.tiles_per_live == 6.5 and costs.chunk_ms == 0.05
+    assert costs.products == planner.CostModel().products
+    assert planner.cost_model("b200") == planner.COSTS["h200"]  # no file: the built-in coefficients
+    # Bad sections name the file and the field.
+    doc["cost_model"] = {"tiles_per_live": -1}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(db.ConfigDBError, match=r"a100\.yaml.*cost_model\.tiles_per_live"):
+        db.load_file(path)
+    doc["cost_model"] = {"tiles_per_liv": 6.5}
+    path.write_text(yaml.safe_dump(doc))
+    dispatch.clear_cache()
+    with pytest.raises(ValueError, match=r"a100\.yaml: cost_model: unknown coefficient\(s\) \['tiles_per_liv'\]"):
+        planner.cost_model("a100")
+
+
+def test_shipped_h200_file_carries_the_cost_model():
+    from cce_autotune import paths, planner
+
+    cfg = db.load_file(paths.resource_dir("tuned_configs") / "h200.yaml", expect_gpu="h200")
+    assert cfg.cost_model and set(cfg.cost_model) - {"measured_on", "note"} <= set(planner.CostModel().to_dict())
