@@ -115,6 +115,10 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     tune.add_argument("--workers", type=_positive("--workers"), default=1, metavar="N",
                       help="worker processes, one per local GPU, sharing the studies (default 1)")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    tune.add_argument("--data", choices=("lm", "real"), default="lm",
+                      help="data the variants are checked and timed on: lm (LM-like, synthetic; default) or real "
+                      "(hidden states of a small GPT trained on the Python standard library, trained once per "
+                      "shape and cached, as cce-bench --data real)")
     tune.add_argument("--trial-time-limit", type=_positive("--trial-time-limit", float), default=120.0, metavar="S",
                       help="seconds one trial may take before it is recorded as failed (default 120)")
     tune.add_argument("--top-k", type=_positive("--top-k"), default=3, metavar="K",
@@ -181,6 +185,7 @@ def _cmd_tune(args, out, err) -> int:
         gpu, args.vocab, args.hidden, args.tokens, args.dtype, args.kernels,
         flag_sets=[(args.bias, args.softcap)], trials=trials,
         gate=tune.Gate(args.max_grad_error, args.max_value_error), budget_minutes=args.budget_minutes,
+        data=args.data,
     )
     backend_name = args.backend or os.environ.get(ENV_BACKEND) or "gpu"
     if args.dry_run:

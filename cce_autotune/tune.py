@@ -92,6 +92,7 @@ __all__ = [
 KERNEL_NAMES = tuple(KERNELS)
 GRADIENT_ERRORS = ("dE", "dC", "dbias")
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DATA_KINDS = ("lm", "real")  # what the GPU backend tunes on (cce_autotune.data.make_data)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -112,11 +113,14 @@ class Problem:
     has_bias: bool = False
     has_softcap: bool = False
     softcap: float = 30.0  # value used when has_softcap
-    seed: int = 0  # of the LM-like data
+    seed: int = 0  # of the data
+    data: str = "lm"  # the tuner's data: "lm" (LM-like, synthetic) or "real" (cce_autotune.realdata)
 
     def __post_init__(self):
         if self.dtype not in _BYTES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(_BYTES)}")
+        if self.data not in DATA_KINDS:
+            raise ValueError(f"data: {self.data!r} is not one of {list(DATA_KINDS)}")
         for n in ("B", "V", "D"):
             if getattr(self, n) <= 0:
                 raise ValueError(f"{n}: must be positive, got {getattr(self, n)}")
@@ -177,6 +181,7 @@ class StudySpec:
             f"cce:{self.gpu}:{self.kernel}:{p.dtype}:B{p.B}:V{p.V}:D{p.D}:bias{int(p.has_bias)}:"
             f"softcap{int(p.has_softcap)}:tpl-{codegen.template_hash(self.kernel)[:10]}:"
             f"gate-{self.gate.max_grad_error:g}-{self.gate.max_value_error:g}"
+            + ("" if p.data == "lm" else f":data-{p.data}")
         )
 
     def label(self) -> str:
@@ -249,11 +254,13 @@ def _rel_err(x, ref) -> float:
 class GPUBackend(Backend):
     """The real kernels on the current CUDA device.
 
-    Data: :func:`cce_autotune.data.lm_like` (peaked softmax, Zipfian targets) generated on the device.
+    Data: the problem's ``data`` (:func:`cce_autotune.data.make_data`: LM-like, or hidden states of a
+    small model trained on real text) generated on the device.
     Correctness: against the PyTorch path (``impl="torch"``, ``filter_eps=None``) on float32 copies of
     the same inputs. Timing: ``triton.testing.do_bench`` (warm-up, L2 flushed before every repetition,
     quantiles 0.5 / 0.2 / 0.8). indexed_dot and lse_forward time their kernel; backward times the
-    forward + backward of the whole loss.
+    forward + backward of the whole loss in the call sequence of training (the classifier updated
+    between calls, so the planner measures and decides as in a training step).
     """
 
     name = "gpu"
@@ -288,9 +295,8 @@ class GPUBackend(Backend):
     def _inputs(self, problem: Problem) -> dict:
         import torch
 
-        from .data import lm_like
-
         from . import kernels
+        from .data import make_data
 
         key = (problem, torch.cuda.current_device())
         if self._key != key:
@@ -298,7 +304,164 @@ class GPUBackend(Backend):
             self._key = None
             torch.cuda.empty_cache()
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[problem.dtype]
-            e, c, t = lm_like(problem.B, problem.V, problem.D, dtype=dtype, device="cuda", seed=problem.seed)
+            e, c, t = make_data(problem.data, problem.B, problem.V, problem.D, dtype=dtype, device="cuda",
+                                seed=problem.seed)
+            g = torch.Generator(device="cuda").manual_seed(problem.seed + 1)
+            bias = (torch.randn(problem.V, generator=g, device="cuda") * 0.1).to(dtype) if problem.has_bias else None
+            self._data = dict(
+                e=e, c=c, t=t, bias=bias, softcap=problem.softcap if problem.has_softcap else None,
+                rows=kernels.RowLayout.dense(problem.B, problem.D, "cuda"),
+            )
+            self._key = key
+        return self._data
+
+    def _reference(self, name: str, problem: Problem):
+        import torch
+
+        from . import reference, vocab_order
+        from .loss import linear_cross_entropy
+
+        d = self._inputs(problem)
+        if name in d:
+            return d[name]
+        f32 = lambda x: None if x is None else x.float()  # noqa: E731
+        if name == "walk":  # the vocabulary by descending average logit (what a backward sorts by)
+            d["walk"] = vocab_order.sort_order(d["e"], d["c"], d["bias"])
+        elif name in ("ref_lse", "ref_zt"):
+            lse, zt = reference.forward(f32(d["e"]), f32(d["c"]), f32(d["bias"]), torch.arange(problem.B, device="cuda"), d["t"], d["softcap"])
+            d["ref_lse"], d["ref_zt"] = lse, zt
+        else:
+            e = f32(d["e"]).requires_grad_()
+            c = f32(d["c"]).requires_grad_()
+            b = f32(d["bias"]).requires_grad_() if d["bias"] is not None else None
+            loss = linear_cross_entropy(e, c, d["t"], b, softcap=d["softcap"], impl="torch", filter_eps=None)
+            loss.backward()
+            d["ref_grads"] = dict(loss=loss.detach(), dE=e.grad, dC=c.grad, dbias=b.grad if b is not None else None)
+        return d[name]
+
+    def _runner(self, kernel: str, variants: KernelVariants, problem: Problem, training: bool = False):
+        """(function running the timed work, tensors whose .grad to reset). ``training``: the backward
+        runs the call sequence of training (see below) on its own copy of the classifier."""
+        import torch
+
+        from . import kernels
+        from .loss import linear_cross_entropy
+
+        d = self._inputs(problem)
+        if kernel == "indexed_dot":
+            return (lambda: kernels.indexed_dot(d["e"], d["c"], d["bias"], d["rows"], d["t"], d["softcap"],
+                                                variants.indexed_dot)), None
+        if kernel == "lse_forward":
+            bw = variants.backward
+            walk = zt = None
+            if bw.uses_tile_map(bw.filter_eps):
+                # As in a training step: walk a sorted order and record the tile map.
+                walk, zt = self._reference("walk", problem), self._reference("ref_zt", problem)
+            return (lambda: kernels.lse_forward(d["e"], d["c"], d["bias"], d["rows"], d["softcap"],
+                                                variants.lse_forward, perm=walk, zt=zt)), None
+        c = d["c"]
+        step = None
+        if training:
+            # The call sequence of training: the classifier moves a little before every call (by
+            # +-1 % of its standard deviation, alternating so that it does not wander off), so each
+            # call walks an order one step stale and the planner sees the live share a training step
+            # sees. The update costs every variant the same.
+            if "c_training" not in d:
+                d["c_training"] = c.clone()
+                d["drift"] = torch.randn_like(c) * (0.01 * float(c.float().std()))
+            c, sign = d["c_training"], [1.0]
+
+            def step():
+                with torch.no_grad():
+                    c.add_(d["drift"], alpha=sign[0])
+                sign[0] = -sign[0]
+
+        leaves = [d["e"].detach().requires_grad_(), c.detach().requires_grad_()]
+        if d["bias"] is not None:
+            leaves.append(d["bias"].detach().requires_grad_())
+        bias = leaves[2] if len(leaves) == 3 else None
+
+        def fwd_bwd():
+            if step is not None:
+                step()
+            loss = linear_cross_entropy(leaves[0], leaves[1], d["t"], bias, softcap=d["softcap"], impl="triton",
+                                        variants=variants)
+            loss.backward()
+            return loss
+
+        return fwd_bwd, leaves
+
+    def check(self, kernel: str, variants: KernelVariants, problem: Problem) -> dict:
+        raise NotImplementedError
+
+    def time(self, kernel: str, variants: KernelVariants, problem: Problem) -> dict:
+        raise NotImplementedError
+
+
+def _rel_err(x, ref) -> float:
+    import torch
+
+    num = torch.linalg.vector_norm((x.double() - ref.double()).reshape(-1)).item()
+    den = torch.linalg.vector_norm(ref.double().reshape(-1)).item()
+    err = num / max(den, 1e-30)
+    return err if math.isfinite(err) else float("inf")
+
+
+class GPUBackend(Backend):
+    """The real kernels on the current CUDA device.
+
+    Data: the problem's ``data`` (:func:`cce_autotune.data.make_data`: LM-like, or hidden states of a
+    small model trained on real text) generated on the device.
+    Correctness: against the PyTorch path (``impl="torch"``, ``filter_eps=None``) on float32 copies of
+    the same inputs. Timing: ``triton.testing.do_bench`` (warm-up, L2 flushed before every repetition,
+    quantiles 0.5 / 0.2 / 0.8). indexed_dot and lse_forward time their kernel; backward times the
+    forward + backward of the whole loss in the call sequence of training (the classifier updated
+    between calls, so the planner measures and decides as in a training step).
+    """
+
+    name = "gpu"
+
+    def __init__(self, warmup_ms: int = 25, rep_ms: int = 100):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NoGPUError("no CUDA GPU is visible (torch.cuda.is_available() is False)")
+        self.warmup_ms = warmup_ms
+        self.rep_ms = rep_ms
+        self._key = None
+        self._data: dict = {}
+
+    def setup_worker(self, index: int) -> None:
+        import torch
+
+        torch.cuda.set_device(index % torch.cuda.device_count())
+
+    def device_name(self) -> str:
+        import torch
+
+        return torch.cuda.get_device_name()
+
+    def smem_limit(self) -> int | None:
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return getattr(props, "shared_memory_per_block_optin", None)
+
+    # data and references, for one problem at a time
+    def _inputs(self, problem: Problem) -> dict:
+        import torch
+
+        from . import kernels
+        from .data import make_data
+
+        key = (problem, torch.cuda.current_device())
+        if self._key != key:
+            self._data = {}
+            self._key = None
+            torch.cuda.empty_cache()
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[problem.dtype]
+            e, c, t = make_data(problem.data, problem.B, problem.V, problem.D, dtype=dtype, device="cuda",
+                                seed=problem.seed)
             g = torch.Generator(device="cuda").manual_seed(problem.seed + 1)
             bias = (torch.randn(problem.V, generator=g, device="cuda") * 0.1).to(dtype) if problem.has_bias else None
             self._data = dict(
@@ -354,7 +517,17 @@ class GPUBackend(Backend):
             leaves.append(d["bias"].detach().requires_grad_())
         bias = leaves[2] if len(leaves) == 3 else None
 
+        # The call sequence of training: the classifier moves a little before every call (by +-1 % of
+        # its standard deviation, alternating so that it does not wander off), so the order each call
+        # walks is one step stale, as in a training loop. The update costs every variant the same.
+        if "drift" not in d:
+            d["drift"] = torch.randn_like(d["c"]) * (0.01 * float(d["c"].float().std()))
+        sign = [1.0]
+
         def fwd_bwd():
+            with torch.no_grad():
+                leaves[1].add_(d["drift"], alpha=sign[0])
+            sign[0] = -sign[0]
             loss = linear_cross_entropy(leaves[0], leaves[1], d["t"], bias, softcap=d["softcap"], impl="triton",
                                         variants=variants)
             loss.backward()
@@ -385,7 +558,7 @@ class GPUBackend(Backend):
     def time(self, kernel: str, variants: KernelVariants, problem: Problem) -> dict:
         import triton.testing
 
-        fn, leaves = self._runner(kernel, variants, problem)
+        fn, leaves = self._runner(kernel, variants, problem, training=True)
         med, p20, p80 = triton.testing.do_bench(
             fn, warmup=self.warmup_ms, rep=self.rep_ms, grad_to_none=leaves, quantiles=[0.5, 0.2, 0.8]
         )
@@ -1008,8 +1181,9 @@ class Plan:
 def make_plan(gpu: str, vocabs: Sequence[int], hiddens: Sequence[int] | None = None,
               tokens: Sequence[int] = (4096, 8192, 16384), dtypes: Sequence[str] = ("bf16",),
               kernels: Sequence[str] = KERNEL_NAMES, flag_sets: Sequence[tuple] = ((False, False),),
-              trials: int = 50, gate: Gate = Gate(), budget_minutes: float | None = None) -> Plan:
-    """Every (kernel, dtype, V, D, B bucket, flags) study to run."""
+              trials: int = 50, gate: Gate = Gate(), budget_minutes: float | None = None,
+              data: str = "lm") -> Plan:
+    """Every (kernel, dtype, V, D, B bucket, flags) study to run, timed on ``data`` ("lm" or "real")."""
     notes = []
     buckets = []
     for B in tokens:
@@ -1028,7 +1202,7 @@ def make_plan(gpu: str, vocabs: Sequence[int], hiddens: Sequence[int] | None = N
             for D in Ds:
                 for B in buckets:
                     for has_bias, has_softcap in flag_sets:
-                        problem = Problem(B, V, D, dtype, has_bias, has_softcap)
+                        problem = Problem(B, V, D, dtype, has_bias, has_softcap, data=data)
                         studies.extend(StudySpec(gpu, k, problem, trials, gate) for k in kernels)
     return Plan(gpu, studies, notes, budget_minutes)
 

@@ -269,3 +269,14 @@ def test_bad_seed_is_refused(tmp_path):
     p.write_text(text)
     with pytest.raises(SpaceError, match=r"seeds\[1\]: block_d=48 is not one of"):
         load_space("indexed_dot", p)
+
+
+def test_tuning_data_kind_reaches_the_problem_and_the_study_name():
+    lm = tune.make_plan("h200", [50000], [768], [8192])
+    real = tune.make_plan("h200", [50000], [768], [8192], data="real")
+    assert all(s.problem.data == "lm" for s in lm.studies) and all(s.problem.data == "real" for s in real.studies)
+    # Different data, different studies (a study resumed on other data would mix its trials).
+    assert {s.name for s in lm.studies}.isdisjoint(s.name for s in real.studies)
+    assert not any("data-" in s.name for s in lm.studies)  # LM-like keeps the names studies had before
+    with pytest.raises(ValueError, match="data: 'text' is not one of"):
+        tune.Problem(8192, 50000, 768, data="text")
