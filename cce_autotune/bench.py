@@ -8,7 +8,9 @@ with the built-in default variants, in exact mode, without a memory budget (``cc
 and - when importable - Apple's
 ``cut-cross-entropy`` (CCE and exact) and ``liger-kernel``'s fused linear cross-entropy. For each it
 records forward and forward+backward median times (triton.testing.do_bench, which flushes L2 between
-repetitions), the peak extra memory, and loss/gradient errors against a float32 reference, and
+repetitions), the device's busy time per call (``device_ms``, torch.profiler: the rest of a call's
+time is the host's — launches, Python, syncs), the peak extra memory, and loss/gradient errors
+against a float32 reference, and
 prints a table, writes a CSV and (with matplotlib) a PNG chart.
 
 Data: ``lm`` (``cce_autotune.data.lm_like``: Zipfian tokens, peaked softmax with 4 nats of mean
@@ -62,7 +64,8 @@ MEMORY_CALLS = 20  # calls whose peak memory is reported (more than one cycle of
 TRAIN_WARMUP_STEPS = 5  # --train: untimed steps per method (compilation, autotuning, optimiser state)
 TRAIN_LOSS_STEPS = 10  # --train: the loss reported is the mean over this many last steps
 COLUMNS = ["gpu", "torch", "triton", "data", "shape", "B", "V", "D", "dtype", "method", "pass", "median_ms",
-           "p20_ms", "p80_ms", "ratio_to_matmul", "peak_extra_mib", "err_loss", "err_de", "err_dc"]
+           "p20_ms", "p80_ms", "ratio_to_matmul", "peak_extra_mib", "err_loss", "err_de", "err_dc", "device_ms"]
+DEVICE_CALLS = 5  # calls profiled for the device time of a call
 
 
 def parse_data(spec: str) -> list[str]:
@@ -116,6 +119,29 @@ def peak_extra_mib(fn: Callable[[], object], calls: int = 1) -> float:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     return (peak - base) / 2**20
+
+
+def device_ms(fn: Callable[[], object], grad_to_none=None, calls: int = DEVICE_CALLS) -> float:
+    """The GPU's busy time per call of ``fn``, ms: the kernels' durations summed by torch.profiler,
+    over ``calls`` calls. A call's median time above it is spent waiting for the host (launches,
+    Python, host syncs): the fixed cost per call that small heads feel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+                for t in grad_to_none or []:
+                    t.grad = None
+            torch.cuda.synchronize()
+    except RuntimeError as exc:  # a profiler that cannot start here must not stop the benchmark
+        print(f"# device time unavailable: {exc!r}", file=sys.stderr)
+        return math.nan
+    total = 0.0
+    for ev in prof.key_averages():
+        total += getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+    return total / 1000.0 / calls
 
 
 @dataclass
@@ -216,10 +242,12 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_o
                 mem = peak_extra_mib(lambda: (fn(), setattr(ee, "grad", None), setattr(cc, "grad", None)),
                                      calls=MEMORY_CALLS)
                 ee.grad = cc.grad = None
+                dev = device_ms(fn, grad_to_none=[ee, cc])
                 rows.append(dict(base, method=m.name, **{"pass": pas}, median_ms=med, p20_ms=p20, p80_ms=p80,
-                                 ratio_to_matmul=med / floor, peak_extra_mib=mem, **err))
+                                 ratio_to_matmul=med / floor, peak_extra_mib=mem, device_ms=dev, **err))
                 log(f"{name} {data}: {m.name:22s} {pas:6s} {med:8.2f} ms  {med / floor:5.2f}x  {mem:9.1f} MiB  "
-                    f"loss {err['err_loss']:.1e} dE {err['err_de']:.1e} dC {err['err_dc']:.1e}")
+                    f"loss {err['err_loss']:.1e} dE {err['err_de']:.1e} dC {err['err_dc']:.1e}  "
+                    f"device {dev:.2f} ms ({max(0.0, med - dev):.2f} ms not on the device)")
             del ee, cc, loss
         except Exception as exc:  # a peer failing must not stop the others
             log(f"{name} {data}: {m.name} FAILED: {exc!r}")
