@@ -17,7 +17,7 @@ from cce_autotune.variant import (
 ALL = [IndexedDotVariant(), LSEForwardVariant(), LSEForwardVariant(merge="lock"), BackwardVariant(strategy="tiles"),
        BackwardVariant(accum="native", filter_eps=None, sort_vocab=False, strategy="tiles"),
        BackwardVariant(strategy="chunked"), BackwardVariant(strategy="chunked", filter_eps=None, sort_vocab=False),
-       BackwardVariant(strategy="sparse")]
+       BackwardVariant(strategy="sparse"), BackwardVariant(strategy="fused")]
 
 
 @pytest.mark.parametrize("variant", ALL, ids=lambda v: v.kernel)
@@ -44,6 +44,11 @@ def test_structural_switches_change_the_source():
     # With the live grid of a tile map, dead tiles are written as zeros without recomputing them.
     mapped = render_source(BackwardVariant(strategy="chunked"), Flags(tile_live=True))
     assert "TileLive +" in mapped and "if live == 0:" in mapped
+    windowed = render_source(BackwardVariant(strategy="tiles"), Flags(dc_window=True))
+    assert "(pos - dc_lo)[:, None] * stride_dcv" in windowed
+    assert "(pos - dc_lo)" not in render_source(BackwardVariant(strategy="tiles"))
+    fused = render_source(BackwardVariant(strategy="fused"), Flags(has_softcap=True))
+    assert "def cce_fused_grad_kernel(" in fused and "g = g * (1.0 - t * t)" in fused
     with pytest.raises(ValueError, match="strategy 'auto'"):
         render_source(BackwardVariant())
 
