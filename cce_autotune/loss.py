@@ -276,9 +276,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.fused = None
             if grad_loss is None:
                 grad_loss = torch.zeros((), device=e.device)
-            scale = grad_loss.float()
-            return (de.mul_(scale.to(de.dtype)), dc.mul_(scale.to(dc.dtype)),
-                    dbias.mul_(scale.to(dbias.dtype)) if dbias is not None else None, None)
+            scale = grad_loss.float()  # (an fp32 0-d factor: not rounded to the gradients' dtype first)
+            return de.mul_(scale), dc.mul_(scale), dbias.mul_(scale) if dbias is not None else None, None
         if n == 0:
             return (torch.zeros_like(e), torch.zeros_like(c), torch.zeros_like(bias) if bias is not None else None, None)
         valid = p.valid.float()
