@@ -458,10 +458,17 @@ def _add_target_terms(c, e2, rows: RowLayout, targets, coef_out, zt, softcap, ac
         sl = slice(lo, lo + chunk)
         t, wk, r = targets[sl], w[sl, None], row_idx[sl]
         acc.index_add_(0, r, (c[t].float() * -wk).to(acc.dtype))
-        uniq, inv = torch.unique(t, return_inverse=True)
-        part = torch.zeros((uniq.shape[0], D), dtype=torch.float32, device=e2.device)
-        part.index_add_(0, inv, e2[r].float() * -wk)
-        dc.index_add_(0, uniq, part.to(dc.dtype))
+        # dC: the piece's rows summed per target in fp32, without a host sync: in target order, each
+        # run of equal targets is summed into its first row, and the other rows add exact zeros.
+        order = torch.argsort(t)
+        ts = t[order]
+        pos = torch.arange(ts.shape[0], device=ts.device)
+        start = torch.ones_like(ts, dtype=torch.bool)
+        start[1:] = ts[1:] != ts[:-1]
+        first = torch.cummax(torch.where(start, pos, 0), dim=0).values
+        part = torch.zeros((ts.shape[0], D), dtype=torch.float32, device=e2.device)
+        part.index_add_(0, first, e2[r[order]].float() * -wk[order])
+        dc.index_add_(0, ts, part.to(dc.dtype))
     if dbias is not None:
         dbias.index_add_(0, targets, -w)
 
