@@ -145,14 +145,16 @@ def test_second_call_walks_the_remembered_order_and_matches_the_first(device, mo
     assert rel_err(e1, e0) <= 2 * bde + 1e-5 and rel_err(c1, c0) <= 2 * bdc + 1e-5
 
 
-@pytest.mark.parametrize("strategy", ["tiles", "sparse", "chunked"])
-@pytest.mark.parametrize("walk", ["sorted", "random", None])
+@pytest.mark.parametrize("strategy, walk", [("tiles", "sorted"), ("tiles", "random"), ("tiles", None),
+                                            ("sparse", "sorted"), ("sparse", "random"), ("sparse", None),
+                                            ("chunked", "sorted"), ("chunked", "random")])
 @pytest.mark.parametrize("eps", [2.0**-12, 2.0**-5, 0.9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_mapped_backward_matches_the_oracle(strategy, walk, eps, dtype, device):
     # Odd shapes, ignored rows, shift, bias, softcap; a stale (random) order is slow, never wrong;
     # without an order (walk=None: a first call) there is no map (the planner runs "sparse" as the
-    # fastest strategy that needs none); eps=0.9 leaves no tile live (only the target terms).
+    # fastest strategy that needs none; the chunked strategy without a map is the exact path that
+    # test_variants covers); eps=0.9 leaves no tile live (only the target terms).
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy=strategy))
     res, (e, c, t, b) = run_case((3, 29), 301, 45, dtype, variants=kv, bias=True, softcap=9.0, shift=1,
                                  ignore=0.1, peaked=2.0, filter_eps="auto", walk=walk, device=device)
