@@ -280,3 +280,33 @@ def test_tuning_data_kind_reaches_the_problem_and_the_study_name():
     assert not any("data-" in s.name for s in lm.studies)  # LM-like keeps the names studies had before
     with pytest.raises(ValueError, match="data: 'text' is not one of"):
         tune.Problem(8192, 50000, 768, data="text")
+
+
+def test_gpu_backend_times_the_training_call_sequence_and_checks_fixed_inputs(monkeypatch):
+    # The backend's runner on CPU tensors (through the interpreter): timing moves its own copy of the
+    # classifier between calls; the check runs on the fixed inputs its reference was computed on.
+    from cce_autotune import kernels
+    from cce_autotune.data import lm_like
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend = object.__new__(tune.GPUBackend)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    e, c, t = lm_like(48, 96, 32, dtype=torch.float32, device=dev)
+    data = dict(e=e, c=c, t=t, bias=None, softcap=None, rows=kernels.RowLayout.dense(48, 32, dev))
+    backend._inputs = lambda problem: data
+    small = KernelVariants(backward=BackwardVariant(block_b=16, block_v=32, block_d=16, chunk_v=64))
+    fixed = c.clone()
+    fn, leaves = backend._runner("backward", small, tune.Problem(48, 96, 32), training=True)
+    assert leaves[1] is not c and leaves[1].data_ptr() != c.data_ptr()
+    before = leaves[1].detach().clone()
+    fn()
+    moved = leaves[1].detach().clone()
+    assert not torch.equal(moved, before)  # the classifier moved before the call
+    fn()
+    assert torch.allclose(leaves[1].detach(), before, atol=1e-6)  # and back (alternating)
+    assert torch.equal(c, fixed)  # the inputs of the check are untouched
+    fn, leaves = backend._runner("backward", small, tune.Problem(48, 96, 32))
+    assert leaves[1].data_ptr() == c.data_ptr()
+    fn()
+    assert torch.equal(c, fixed) and leaves[1].grad is not None
