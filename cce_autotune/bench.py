@@ -149,6 +149,32 @@ class Method:
     name: str
     loss: Callable  # (e, c, targets) -> scalar loss
     fused_backward: bool = False  # computes gradients inside the forward (liger)
+    classifier_dtype: torch.dtype | None = None  # its classifier leaf's dtype, if not the run's
+
+
+def _mixed_methods(methods: list[Method], dtype: torch.dtype) -> list[Method]:
+    """``--classifier fp32`` (a mixed-precision loop's fp32 master classifier with 16-bit e): PyTorch
+    under autocast; ours on the fp32 classifier (no copy), after casting it first (the workaround a
+    same-dtype loss needs), and on a 16-bit classifier leaf (the all-16-bit call, for comparison);
+    the peers, which need one dtype, on the cast classifier."""
+    out = [Method("torch", lambda e, c, t: _autocast_ce(e, c, t, dtype))]
+    for m in methods:
+        if m.name == "torch":
+            continue
+        if m.name.startswith("cce_autotune"):
+            out.append(m)
+            if m.name == "cce_autotune":
+                out.append(Method("cce_autotune_cast", lambda e, c, t: linear_cross_entropy(e, c.to(e.dtype), t)))
+                out.append(Method("cce_autotune_all16", m.loss, classifier_dtype=dtype))
+        else:
+            out.append(Method(m.name, lambda e, c, t, f=m.loss: f(e, c.to(e.dtype), t), m.fused_backward))
+    return out
+
+
+def _autocast_ce(e, c, t, dtype):
+    with torch.autocast("cuda", dtype=dtype):
+        logits = torch.nn.functional.linear(e, c)
+    return torch.nn.functional.cross_entropy(logits.float(), t)
 
 
 def _methods(include_peers: bool) -> list[Method]:
@@ -186,7 +212,7 @@ def _reference(e, c, t):
     """fp32 loss and gradients (chunked PyTorch path, fp32 matmuls without tf32)."""
     rows = torch.arange(e.shape[0], device=e.device)
     e32, c32 = e.float(), c.float()
-    lse, zt = reference.forward(e32, c32, None, rows, t)
+    lse, zt, _ = reference.forward(e32, c32, None, rows, t)
     n = e.shape[0]
     coef = torch.full((n,), 1.0 / n, device=e.device)
     de, dc, _ = reference.backward(e32, c32, None, rows, t, lse, coef, coef)
@@ -197,26 +223,35 @@ def _rel(x, ref) -> float:
     return float((x.float() - ref).norm() / ref.norm())
 
 
-def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_options=None) -> list[dict]:
+def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_options=None,
+              classifier_dtype=None) -> list[dict]:
     """Rows of the matmul floor and of each method's fw and fw+bw on one shape; ``data_options`` go to
-    :func:`cce_autotune.data.make_data` (``steps`` for real data)."""
+    :func:`cce_autotune.data.make_data` (``steps`` for real data); ``classifier_dtype``: the
+    classifier's dtype when it is not e's (fp32 for a mixed-precision loop's master weight)."""
     dev = "cuda"
     e, c, t = make_data(data, B, V, D, dtype=dtype, device=dev, seed=0, **(data_options or {}))
+    if classifier_dtype is not None:
+        c = c.to(classifier_dtype)
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     ref_loss, ref_de, ref_dc = _reference(e, c, t)
     torch.backends.cuda.matmul.allow_tf32 = prev_tf32
     rows = []
-    base = dict(meta, data=data, shape=name, B=B, V=V, D=D, dtype=str(dtype).replace("torch.", ""))
-    p20, med, p80 = time_ms(lambda: e @ c.T, rep=reps)
+    dname = str(dtype).replace("torch.", "")
+    if classifier_dtype is not None:
+        dname += "+" + str(classifier_dtype).replace("torch.", "") + "_classifier"
+    base = dict(meta, data=data, shape=name, B=B, V=V, D=D, dtype=dname)
+    c16 = c.to(dtype)
+    p20, med, p80 = time_ms(lambda: e @ c16.T, rep=reps)  # the floor: one 16-bit matmul of the shape
     floor = med
     rows.append(dict(base, method="matmul", **{"pass": "fw"}, median_ms=med, p20_ms=p20, p80_ms=p80,
-                     ratio_to_matmul=1.0, peak_extra_mib=peak_extra_mib(lambda: e @ c.T)))
+                     ratio_to_matmul=1.0, peak_extra_mib=peak_extra_mib(lambda: e @ c16.T)))
+    del c16
     log(f"{name} {data}: matmul {med:.2f} ms")
     for m in methods:
         try:
             ee = e.detach().clone().requires_grad_()
-            cc = c.detach().clone().requires_grad_()
+            cc = c.detach().to(m.classifier_dtype or c.dtype).clone().requires_grad_()
             m.loss(ee, cc, t).backward()  # a first step (what a training loop's later steps reuse)
             ee.grad = cc.grad = None
             # Errors of the steady state: the worst of the next ERROR_CALLS calls (the planner's
@@ -300,10 +335,13 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
 
         def loss_fn(model, x, y, m=m):
             h = model.hidden(x).flatten(0, 1)  # under autocast the final LayerNorm's output is fp32
-            # The loss gets e and c in the compute dtype, as autocast would hand them to lm_head:
-            # linear_cross_entropy needs c.dtype == e.dtype.  The cast copy of c is a new tensor every
-            # step, so cce_autotune's remembered vocabulary order (keyed by storage) is found again
-            # only when the allocator hands the copy the same memory.
+            if m.name.startswith("cce_autotune") and m.name != "cce_autotune_cast":
+                # As a user's loop calls it: the fp32 hidden states and the fp32 master weight; the
+                # loss casts e as autocast would and reads the classifier without a copy.
+                return m.loss(h, model.lm_head.weight, y.flatten())
+            # The others get e and c in the compute dtype, as autocast would hand them to lm_head:
+            # a cast copy of c every step (for cce_autotune_cast, the workaround a loss that needs
+            # c.dtype == e.dtype leaves).
             return m.loss(h.to(dt), model.lm_head.weight.to(dt), y.flatten())
 
         try:
@@ -397,6 +435,9 @@ def main(argv=None) -> int:
                     help=f"comma list of {sorted(SHAPES)} or B:V:D triples (default per data kind: {DEFAULT_SHAPES})")
     ap.add_argument("--data", default="lm,random", help=f"comma list of {', '.join(DATA_KINDS)}")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--classifier", default="same", choices=["same", "fp32"],
+                    help="fp32: a mixed-precision loop's fp32 classifier with --dtype e (PyTorch under autocast, "
+                         "ours without a copy, ours after casting, ours all-16-bit)")
     ap.add_argument("--no-peers", action="store_true", help="skip Apple's and Liger's kernels")
     ap.add_argument("--methods", default="", help="comma list to keep (default: all available)")
     ap.add_argument("--reps", type=int, default=200, help="do_bench repetition time per measurement, ms")
@@ -431,6 +472,14 @@ def main(argv=None) -> int:
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     methods = _methods(not args.no_peers)
+    if args.train:  # ours after casting the master weight to the compute dtype (see run_train)
+        methods.append(Method("cce_autotune_cast", lambda e, c, t: linear_cross_entropy(e, c, t)))
+    classifier_dtype = None
+    if args.classifier == "fp32":
+        if dtype == torch.float32:
+            ap.error("--classifier fp32: needs a 16-bit --dtype")
+        classifier_dtype = torch.float32
+        methods = _mixed_methods(methods, dtype)
     if args.methods:
         keep = set(args.methods.split(","))
         methods = [m for m in methods if m.name in keep]
@@ -444,7 +493,8 @@ def main(argv=None) -> int:
                               loop_steps=args.loop_steps, log=log)
         else:
             options = {"steps": args.train_steps} if data == "real" else {}
-            rows += run_shape(name, B, V, D, data, dtype, methods, args.reps, meta, log=log, data_options=options)
+            rows += run_shape(name, B, V, D, data, dtype, methods, args.reps, meta, log=log, data_options=options,
+                              classifier_dtype=classifier_dtype)
     out = Path(args.out)
     stem = f"{'train' if args.train else 'bench'}_{meta['gpu'].replace(' ', '_')}{('_' + args.tag) if args.tag else ''}"
     write_csv(rows, out / f"{stem}.csv")

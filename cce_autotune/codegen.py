@@ -59,6 +59,8 @@ class Flags:
     tile_list: bool = False  # backward launches only listed tiles; the target term is added outside
     tile_live: bool = False  # chunked backward: dead tiles of the live grid are written as zeros
     dc_window: bool = False  # tile backward: fp32 dC scratch of one vocabulary window (row = position - dc_lo)
+    cast_c: bool = False  # C is wider than E (fp32 classifier, 16-bit e): its tiles are rounded to E's dtype
+    c_local: bool = False  # C is a converted window of the classifier, addressed by walked position
 
     def template_flags(self) -> dict:
         return {
@@ -74,6 +76,8 @@ class Flags:
             "TILE_LIST": self.tile_list,
             "TILE_LIVE": self.tile_live,
             "DC_WINDOW": self.dc_window,
+            "CAST_C": self.cast_c,
+            "C_LOCAL": self.c_local,
         }
 
 
@@ -161,10 +165,34 @@ def load_kernel(variant: _Variant, flags: Flags = Flags(), name: str | None = No
 
 
 def _import(variant: _Variant, flags: Flags) -> ModuleType:
-    digest = source_key(variant, flags)
-    name = f"cce_{variant.kernel}_{digest}"
+    return _import_source(f"cce_{variant.kernel}_{source_key(variant, flags)}", render_source(variant, flags))
+
+
+def render_utility(template: str, **switches: bool) -> str:
+    """The source of a knob-free helper kernel (``templates/<template>``) with its ``{% if %}``
+    switches (upper-case names)."""
+    ctx = {**Flags().template_flags(), **switches, "TEMPLATE": template, "KNOB_SUMMARY": "none",
+           "FLAG_SUMMARY": ", ".join(f"{k}={v}" for k, v in sorted(switches.items()))}
+    return _env().get_template(template).render(**ctx)
+
+
+def load_utility(template: str, function: str, **switches: bool):
+    """Render (once), cache and import a knob-free helper kernel; returns ``function`` from it."""
+    key = (template, tuple(sorted(switches.items())))
+    mod = _modules.get(key)
+    if mod is None:
+        with _lock:
+            mod = _modules.get(key)
+            if mod is None:
+                source = render_utility(template, **switches)
+                digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+                mod = _import_source(f"cce_{template.split('.')[0]}_{digest}", source)
+                _modules[key] = mod
+    return getattr(mod, function)
+
+
+def _import_source(name: str, source: str) -> ModuleType:
     path = cache_dir() / "kernels" / f"{name}.py"
-    source = render_source(variant, flags)
     if not path.exists() or path.read_text() != source:
         _write_atomic(path, source)
     spec = importlib.util.spec_from_file_location(name, path)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .codegen import Flags, interpreting, load_kernel
+from .codegen import Flags, interpreting, load_kernel, load_utility
 from .planner import BackwardPlan
 from .tile_map import TileMap, tile_ids
 from .variant import BackwardVariant, IndexedDotVariant, LSEForwardVariant
@@ -62,9 +62,10 @@ class RowLayout:
         return e2 if self.dense_stride is not None and e2.shape[0] == self.n else e2[self.row_index(D)]
 
 
-def _flags(e: torch.Tensor, bias, softcap, block_d: int, rows: RowLayout, **extra) -> Flags:
+def _flags(e: torch.Tensor, c: torch.Tensor, bias, softcap, block_d: int, rows: RowLayout, **extra) -> Flags:
     D = e.shape[-1]
     return Flags(
+        cast_c=c.dtype != e.dtype,
         has_bias=bias is not None,
         has_softcap=softcap is not None,
         even_d=D % block_d == 0,
@@ -86,7 +87,7 @@ def indexed_dot(e, c, bias, rows: RowLayout, targets, softcap, variant: IndexedD
     out = torch.empty(n_rows, dtype=torch.float32, device=e.device)
     if n_rows == 0:
         return out
-    kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows))
+    kernel = load_kernel(variant, _flags(e, c, bias, softcap, variant.block_d, rows))
     grid = (triton.cdiv(n_rows, variant.block_b),)
     kernel[grid](
         e, c, bias if bias is not None else c, rows.offsets, targets, out,
@@ -109,6 +110,11 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant
     Returns ``(lse, tile_map)``.  When ``perm`` is given the vocabulary is walked in that order;
     when the target logits ``zt`` are given too, the bounds of
     :class:`~cce_autotune.tile_map.TileMap` are recorded (else ``tile_map`` is None).
+
+    A classifier wider than e (fp32 with 16-bit e) is converted to e's dtype one vocabulary chunk
+    at a time (:func:`convert_width` rows, in the walked order) and each chunk reduced by its own
+    launch: every row block reads C's tiles, so reading them in fp32 would double the traffic the
+    kernel lives on; the chunk's conversion reads C once.
     """
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
@@ -121,6 +127,57 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant
                        perm=perm, zt=zt)
     if n_rows == 0:
         return torch.empty(0, dtype=torch.float32, device=dev), tmap
+    if c.dtype == e.dtype:
+        return _lse_launch(e, c, bias, rows, softcap, variant, perm, zt, tmap.q if record else None), tmap
+    W = convert_width(V, D, variant.block_v, e.element_size())
+    buf = torch.empty((min(W, V), D), dtype=e.dtype, device=dev)
+    lse = None
+    for lo in range(0, V, W):
+        w = min(W, V - lo)
+        chunk = _convert_rows(c, lo, w, perm, buf)
+        # Walking an order: cols (bias, map) come from the chunk of the order, C's rows from the
+        # chunk; else the chunk's columns are vocabulary entries lo.. (bias sliced to match).
+        part = _lse_launch(e, chunk, bias if perm is not None or bias is None else bias[lo : lo + w], rows, softcap,
+                           variant, perm[lo : lo + w] if perm is not None else None, zt,
+                           tmap.q[lo // variant.block_v :] if record else None, c_local=True)
+        lse = part if lse is None else torch.logaddexp(lse, part)
+    return lse, tmap
+
+
+# Bytes of the converted chunk of the classifier (fp32 classifier, 16-bit e).
+CONVERT_BYTES = 128 << 20
+
+
+def convert_width(V: int, D: int, block_v: int, elem: int) -> int:
+    """Rows of the classifier converted at a time: a multiple of ``block_v`` within
+    :data:`CONVERT_BYTES` (at least one tile)."""
+    rows = max(block_v, CONVERT_BYTES // max(1, D * elem) // block_v * block_v)
+    return min(rows, triton.cdiv(V, block_v) * block_v)
+
+
+def _convert_rows(c: torch.Tensor, lo: int, w: int, perm: torch.Tensor | None, buf: torch.Tensor) -> torch.Tensor:
+    """Rows lo..lo+w of the classifier (in the order ``perm`` when given), rounded to nearest in
+    ``buf``'s dtype, into ``buf`` (one launch of ``templates/convert.py.j2``: no fp32 staging copy);
+    returns the filled view."""
+    out = buf[:w]
+    D = c.shape[1]
+    kernel = load_utility("convert.py.j2", "cce_convert_rows_kernel", GATHER=perm is not None,
+                          ROUND_BF16=buf.dtype == torch.bfloat16)
+    block_d = min(128, triton.next_power_of_2(D))
+    grid = (triton.cdiv(w, 32), triton.cdiv(D, block_d))
+    kernel[grid](c, perm if perm is not None else c, out, lo, w, D, c.stride(0), c.stride(1), out.stride(0),
+                 BLOCK_R=32, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant, perm, zt, q, c_local=False):
+    """One launch of the LSE kernel over all of ``c``'s rows (walked in the order ``perm`` when
+    given; with ``c_local``, C's row p holds the walked position p); records the map into ``q``
+    when given. Returns the (n_rows,) fp32 LSE."""
+    n_rows = rows.n
+    V = perm.shape[0] if perm is not None else c.shape[0]
+    dev = e.device
+    n_tiles = triton.cdiv(V, variant.block_v)
     num_splits = split_plan(n_tiles, variant.num_splits)
     if variant.merge == "buffer":
         out = torch.empty((num_splits, n_rows), dtype=torch.float32, device=dev)
@@ -128,22 +185,22 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant: LSEForwardVariant
     else:
         out = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
         locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
-    flags = _flags(e, bias, softcap, variant.block_d, rows, walk_perm=perm is not None,
-                   tile_map=record)
+    record = q is not None
+    flags = _flags(e, c, bias, softcap, variant.block_d, rows, walk_perm=perm is not None,
+                   tile_map=record, c_local=c_local)
     kernel = load_kernel(variant, flags)
     grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
     kernel[grid](
         e, c, bias if bias is not None else c, rows.offsets, out, locks,
         perm if perm is not None else rows.offsets,
-        zt if record else out, tmap.q if record else out,
-        n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
+        zt if record else out, q if record else out,
+        n_rows, V, e.shape[-1], rows.stride, e.stride(-1), c.stride(0), c.stride(1), _softcap_arg(softcap),
         num_splits,
         BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
         GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
-    lse = torch.logsumexp(out, dim=0) if variant.merge == "buffer" else out
-    return lse, tmap
+    return torch.logsumexp(out, dim=0) if variant.merge == "buffer" else out
 
 
 def backward(
@@ -213,9 +270,11 @@ def backward(
 
 
 def _launch_tiles(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps,
-                  variant: BackwardVariant, tiles, de, dc, dbias, dc_lo: int | None = None) -> None:
+                  variant: BackwardVariant, tiles, de, dc, dbias, dc_lo: int | None = None,
+                  c_window: torch.Tensor | None = None) -> None:
     """The tile kernel over every tile (``tiles`` None) or the listed ones; with ``dc_lo``, ``dc`` is
-    the fp32 scratch of the vocabulary window starting at walked position ``dc_lo``."""
+    the fp32 scratch of the vocabulary window starting at walked position ``dc_lo``, and
+    ``c_window`` (if given) that window's rows of C converted to e's dtype, read instead of C."""
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     native = variant.accum == "native"
@@ -225,14 +284,17 @@ def _launch_tiles(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, 
         grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(V, variant.block_v),)
     if grid[0] == 0:
         return
-    flags = _flags(e, bias, softcap, variant.block_d, rows, tile_list=tiles is not None, dc_window=dc_lo is not None)
+    flags = _flags(e, c if c_window is None else c_window, bias, softcap, variant.block_d, rows,
+                   tile_list=tiles is not None, dc_window=dc_lo is not None, c_local=c_window is not None)
+    c_arg = c if c_window is None else c_window
     locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
     locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
     load_kernel(variant, flags)[grid](
-        e, c, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
+        e, c_arg, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
         perm if perm is not None else target_pos, tiles if tiles is not None else target_pos,
         de, rows.de_offsets, dc, dbias if dbias is not None else lse, locks_e, locks_c,
-        n_rows, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), dc.stride(0), _softcap_arg(softcap),
+        n_rows, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), dc.stride(0),
+        _softcap_arg(softcap),
         float(filter_eps) if filter_eps is not None else 0.0, dc_lo or 0,
         BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
         GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
@@ -260,6 +322,8 @@ def _backward_tiles_windowed(e, c, bias, rows: RowLayout, target_pos, targets, l
     tiles = tiles[torch.argsort(window, stable=True)]
     counts = torch.bincount(window, minlength=-(-T // per)).tolist()  # the backward's one host copy
     scratch = torch.empty((W, D), dtype=torch.float32, device=dev)
+    # A classifier wider than e: each window's rows converted to e's dtype once (see lse_forward).
+    c_buf = torch.empty((W, D), dtype=e.dtype, device=dev) if c.dtype != e.dtype else None
     first = 0
     for k, count in enumerate(counts):
         if count == 0:
@@ -267,8 +331,9 @@ def _backward_tiles_windowed(e, c, bias, rows: RowLayout, target_pos, targets, l
         lo = k * W
         w = min(W, V - lo)
         scratch.zero_()
+        window = _convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
         _launch_tiles(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant,
-                      tiles[first:first + count], de32, scratch, dbias, dc_lo=lo)
+                      tiles[first:first + count], de32, scratch, dbias, dc_lo=lo, c_window=window)
         first += count
         dc.index_copy_(0, perm[lo:lo + w].long(), scratch[:w].to(dc.dtype))
     _add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap, de32.view(-1, D), dc, dbias)
@@ -297,7 +362,7 @@ def _backward_sparse(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef
     R, T = triton.cdiv(n, BB), triton.cdiv(V, BV)
     ids = tiles.long()
     n_live = ids.numel()
-    flags = _flags(e, bias, softcap, variant.block_d, rows)
+    flags = _flags(e, c, bias, softcap, variant.block_d, rows)
     # Phase 1: the live tiles' gradients (softmax part), block k of G for tile tiles[k].
     g_buf = torch.empty((max(n_live, 1), BB, BV), dtype=e.dtype, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
@@ -393,7 +458,11 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
     computed = [False] * n_chunks
     if n > 0:
         use_live = live is not None
-        kernel = load_kernel(variant, _flags(e, bias, softcap, variant.block_d, rows, tile_live=use_live))
+        # A classifier wider than e: each chunk's rows converted to e's dtype once (see lse_forward),
+        # read by the kernel and by cuBLAS.
+        c_buf = torch.empty((W, D), dtype=e.dtype, device=dev) if c.dtype != e.dtype else None
+        kernel = load_kernel(variant, _flags(e, c if c_buf is None else c_buf, bias, softcap, variant.block_d, rows,
+                                             tile_live=use_live, c_local=c_buf is not None))
         # Rows of E that no problem row reads (shift) keep a zero gradient row in g.
         g_buf = (torch.zeros if n < N else torch.empty)((N, W), dtype=e.dtype, device=dev)
         for k in range(n_chunks):
@@ -401,24 +470,34 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
                 continue  # no live tile: every gradient of the chunk is negligible
             lo = k * W
             w = min(W, V - lo)
+            chunk = _convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
+            c_arg = c if chunk is None else chunk
             grid = (triton.cdiv(n, variant.block_b) * triton.cdiv(w, variant.block_v),)
             kernel[grid](
-                e, c, bias if bias is not None else c, rows.offsets, rows.de_offsets, target_pos, lse, coef_s, coef_t,
-                perm if perm is not None else target_pos, live if use_live else lse, g_buf,
+                e, c_arg, bias if bias is not None else c, rows.offsets, rows.de_offsets, target_pos, lse, coef_s,
+                coef_t, perm if perm is not None else target_pos, live if use_live else lse, g_buf,
                 dbias if dbias is not None else lse,
-                n, V, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), g_buf.stride(0),
+                n, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), g_buf.stride(0),
                 _softcap_arg(softcap), lo, w,
                 BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
                 GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages,
             )
             g = g_buf if w == W else g_buf[:, :w]
             if perm is None:
-                _add_matmul(acc, g, c[lo : lo + w])
-                torch.mm(g.T, e2, out=dc[lo : lo + w])
+                _add_matmul(acc, g, c[lo : lo + w] if chunk is None else chunk)
+                if dc.dtype == g.dtype:
+                    torch.mm(g.T, e2, out=dc[lo : lo + w])
+                else:
+                    _mm_fp32_out(g.T, e2, dc[lo : lo + w])
             else:
                 cols = perm[lo : lo + w].long()
-                _add_matmul(acc, g, c[cols])
-                dc.index_copy_(0, cols, g.T @ e2)
+                _add_matmul(acc, g, c[cols] if chunk is None else chunk)
+                if dc.dtype == g.dtype:
+                    dc.index_copy_(0, cols, g.T @ e2)
+                else:
+                    part = torch.empty((w, D), dtype=dc.dtype, device=dev)
+                    _mm_fp32_out(g.T, e2, part)
+                    dc.index_copy_(0, cols, part)
             computed[k] = True
     for k in range(n_chunks):
         if not computed[k]:
@@ -457,7 +536,7 @@ def _add_target_terms(c, e2, rows: RowLayout, targets, coef_out, zt, softcap, ac
     for lo in range(0, targets.shape[0], chunk):
         sl = slice(lo, lo + chunk)
         t, wk, r = targets[sl], w[sl, None], row_idx[sl]
-        acc.index_add_(0, r, (c[t].float() * -wk).to(acc.dtype))
+        acc.index_add_(0, r, (c[t].to(e2.dtype).float() * -wk).to(acc.dtype))
         # dC: the piece's rows summed per target in fp32, without a host sync: in target order, each
         # run of equal targets is summed into its first row, and the other rows add exact zeros.
         order = torch.argsort(t)
@@ -526,7 +605,7 @@ def fused(e, c, bias, rows: RowLayout, targets, coef, softcap, variant: Backward
     R = max(1, min(row_block, n))
     z = torch.empty((R, V), dtype=torch.float32, device=dev)
     g = torch.empty((R, V), dtype=e.dtype, device=dev)
-    kernel = load_kernel(variant.replace(strategy="fused"), _flags(e, bias, softcap, variant.block_d, rows))
+    kernel = load_kernel(variant.replace(strategy="fused"), _flags(e, c, bias, softcap, variant.block_d, rows))
     for r0 in range(0, n, R):
         r1 = min(n, r0 + R)
         m = r1 - r0

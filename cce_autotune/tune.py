@@ -328,7 +328,7 @@ class GPUBackend(Backend):
         if name == "walk":  # the vocabulary by descending average logit (what a backward sorts by)
             d["walk"] = vocab_order.sort_order(d["e"], d["c"], d["bias"])
         elif name in ("ref_lse", "ref_zt"):
-            lse, zt = reference.forward(f32(d["e"]), f32(d["c"]), f32(d["bias"]), torch.arange(problem.B, device="cuda"), d["t"], d["softcap"])
+            lse, zt, _ = reference.forward(f32(d["e"]), f32(d["c"]), f32(d["bias"]), torch.arange(problem.B, device="cuda"), d["t"], d["softcap"])
             d["ref_lse"], d["ref_zt"] = lse, zt
         else:
             e = f32(d["e"]).requires_grad_()

@@ -317,6 +317,15 @@ class KernelVariants:
     lse_forward: LSEForwardVariant = field(default_factory=LSEForwardVariant)
     backward: BackwardVariant = field(default_factory=BackwardVariant)
 
+    def __post_init__(self):
+        # The set as JSON text, made once: what linear_cross_entropy hands its operator (a plain
+        # string, which torch.compile's tracer takes as a constant; it cannot rebuild the object).
+        try:
+            text = json.dumps(self.to_dict(), sort_keys=True)
+        except (AttributeError, TypeError):  # not variants inside: validate() says what is wrong
+            text = None
+        object.__setattr__(self, "json_text", text)
+
     @classmethod
     def defaults(cls, elem_bytes: int = 2) -> "KernelVariants":
         """The built-in defaults: a portable middle-of-the-road tiling (128 x 128 x 64, 8 warps, 3

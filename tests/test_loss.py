@@ -186,12 +186,12 @@ def test_nan_and_inf_propagate(value, impl, device):
 def test_row_layouts(case, device):
     # The kernels address E densely (no ignored rows, no shift, flat batch), through an offset table
     # with a 16-byte alignment hint, or through a plain table; all three must agree with the oracle.
-    from cce_autotune import loss as loss_mod
+    from cce_autotune import ops
 
     D = 45 if case == "gathered-unaligned" else 48
     e, c, t, _ = make_inputs((4, 9), 130, D, torch.float32, device=device)
     shift = 0 if case == "dense" else 1
-    p = loss_mod._prepare(e, c, t, None, -100, None, "mean", shift, False, "auto", "triton", SMALL)
+    p = ops.prepare(e, c, t, None, None, ops.Options(shift=shift, impl="triton", variants=SMALL.to_dict()))
     assert (p.layout.dense_stride is not None) == (case == "dense")
     assert p.layout.aligned == (case != "gathered-unaligned")
     out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, shift=shift, impl="triton", variants=SMALL), e, c)
@@ -203,17 +203,16 @@ def test_row_layouts(case, device):
 def test_dispatched_variants_leave_the_strategy_to_the_planner(monkeypatch, device):
     # A tuned entry's strategy was measured on the tuner's data; for dispatched variants the planner
     # decides per call (strategy "auto"), filtered or exact. Explicit variants keep theirs.
-    from cce_autotune import dispatch
-    from cce_autotune import loss as loss_mod
+    from cce_autotune import dispatch, ops
 
     tuned = KernelVariants(backward=BackwardVariant(block_b=16, block_v=32, block_d=16, strategy="tiles"))
     monkeypatch.setattr(dispatch, "select_variants", lambda e, c, **kw: tuned)
     e, c, t, _ = make_inputs((20,), 64, 32, torch.float32, device=device)
     for eps in (None, "auto"):
-        dispatched = loss_mod._prepare(e, c, t, None, -100, None, "mean", 0, False, eps, "triton", None)
+        dispatched = ops.prepare(e, c, t, None, None, ops.Options(filter_eps=eps, impl="triton"))
         assert dispatched.variants.backward.strategy == "auto"
         assert dispatched.variants.backward.block_b == 16  # the rest of the tuned entry is kept
-    explicit = loss_mod._prepare(e, c, t, None, -100, None, "mean", 0, False, None, "triton", tuned)
+    explicit = ops.prepare(e, c, t, None, None, ops.Options(filter_eps=None, impl="triton", variants=tuned.to_dict()))
     assert explicit.variants.backward.strategy == "tiles"
     out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, filter_eps=None, impl="triton"), e, c)
     ref, (re, rc) = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())

@@ -183,16 +183,16 @@ def test_map_is_not_made_without_filtering_or_for_forward_only_calls(device):
         seen.append(out[1])
         return out
 
-    import cce_autotune.loss as loss_mod
+    import cce_autotune.ops as ops_mod
 
-    loss_mod.kernels.lse_forward, orig = spy, loss_mod.kernels.lse_forward
+    ops_mod.kernels.lse_forward, orig = spy, ops_mod.kernels.lse_forward
     try:
         with torch.no_grad():
             linear_cross_entropy(e, c, t, impl="triton", variants=MAPPED)
         linear_cross_entropy(e, c.requires_grad_(), t, impl="triton", variants=MAPPED, filter_eps=None).backward()
         linear_cross_entropy(e, c, t, impl="triton", variants=MAPPED).backward()
     finally:
-        loss_mod.kernels.lse_forward = orig
+        ops_mod.kernels.lse_forward = orig
     assert seen[0] is None and seen[1] is None and seen[2] is not None
 
 

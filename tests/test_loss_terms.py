@@ -1,0 +1,238 @@
+"""Label smoothing, token weights, the z-loss, mixed precision (an fp32 classifier with 16-bit e) and
+autocast, on both paths, against a float64 oracle with the tolerances of test_loss.py (no worse than
+plain PyTorch in the same dtype, times 2, plus a floor)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cce_autotune import linear_cross_entropy
+from helpers import grads_of, make_inputs, rel_err
+from test_loss import FLOOR, SMALL, assert_within, prime_order
+from test_tile_map import MAPPED
+from test_variants import filtered_bound
+
+
+def terms_loss(e, c, t, b=None, *, softcap=None, reduction="mean", shift=0, label_smoothing=0.0, token_weights=None,
+               z_loss=0.0, compute_dtype=None):
+    """Plain PyTorch with the logits materialised (in ``compute_dtype``, default e's; an fp32
+    classifier is first rounded to e's dtype, as autocast's matmul would)."""
+    dt = compute_dtype or e.dtype
+    if c.dtype != e.dtype and c.dtype == torch.float32 and e.dtype in (torch.bfloat16, torch.float16):
+        c = c.to(e.dtype)
+    z = e.to(dt) @ c.to(dt).T
+    if b is not None:
+        z = z + b.to(dt)
+    z = z.to(torch.float64 if dt == torch.float64 else torch.float32)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    T = e.shape[-2]
+    z = z.narrow(-2, 0, T - shift).reshape(-1, z.shape[-1])
+    tt = t.narrow(-1, shift, T - shift).reshape(-1)
+    row = F.cross_entropy(z, tt, ignore_index=-100, reduction="none", label_smoothing=label_smoothing)
+    valid = (tt != -100).to(z.dtype)
+    row = row + z_loss * torch.logsumexp(z, -1) ** 2 * valid
+    w = valid if token_weights is None else valid * token_weights.narrow(-1, shift, T - shift).reshape(-1).to(z.dtype)
+    row = row * w
+    if reduction == "none":
+        return row.view(tt.shape if t.dim() == 1 else t.narrow(-1, shift, T - shift).shape)
+    return row.sum() if reduction == "sum" else row.sum() / w.sum()
+
+
+def compare(e, c, t, b, dtype, *, impl, variants=SMALL, filter_eps=None, **kw):
+    """(err, tol) of the loss and each gradient, and checks the gradients' dtypes (e's for dE, the
+    classifier's and bias's own for dC, dbias)."""
+    ours = lambda e_, c_, b_: linear_cross_entropy(e_, c_, t, b_, impl=impl, variants=variants, filter_eps=filter_eps,
+                                                   **kw)
+    out, g_ours = grads_of(ours, e, c, b)
+    d64 = lambda x: x.double() if x is not None else None
+    # The oracle differentiates the classifier as the kernels use it: rounded to e's dtype when wider.
+    c_used = c.to(e.dtype) if c.dtype != e.dtype else c
+    ref, g_ref = grads_of(lambda e_, c_, b_: terms_loss(e_, c_, t, b_, **kw), d64(e), d64(c_used), d64(b))
+    pt, g_pt = grads_of(lambda e_, c_, b_: terms_loss(e_, c_, t, b_, compute_dtype=dtype, **kw), e, c, b)
+    res = {"loss": (rel_err(out.detach(), ref.detach()), 2 * rel_err(pt.detach(), ref.detach()) + FLOOR[dtype])}
+    for name, x, go, gr, gp in zip(["dE", "dC", "dbias"], (e, c, b), g_ours, g_ref, g_pt):
+        if gr is None:
+            continue
+        assert go is not None and go.dtype == x.dtype and go.shape == gr.shape, name
+        res[name] = (rel_err(go, gr), 2 * rel_err(gp, gr) + FLOOR[dtype])
+    return res
+
+
+def weights_for(t, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(t.shape, generator=g) * 2
+    w[torch.rand(t.shape, generator=g) < 0.2] = 0.0  # a loss mask in places
+    return w.to(t.device)
+
+
+def with_ignored(t, share=0.15, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    t = t.clone()
+    t[(torch.rand(t.shape, generator=g) < share).to(t.device)] = -100
+    return t
+
+
+CASES = {
+    "smoothing": dict(label_smoothing=0.1),
+    "weights": dict(weights=True),
+    "z-loss": dict(z_loss=0.02),
+    "all+bias+shift": dict(label_smoothing=0.2, weights=True, z_loss=0.01, bias=True, shift=1),
+    "smoothing+softcap": dict(label_smoothing=0.1, softcap=8.0, bias=True),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_loss_terms_match_float64_oracle(impl, case, reduction, device):
+    spec = dict(CASES[case])
+    bias = spec.pop("bias", False)
+    e, c, t, b = make_inputs((3, 13), 97, 40, torch.float32, bias=bias, device=device)
+    t = with_ignored(t)
+    if spec.pop("weights", False):
+        spec["token_weights"] = weights_for(t)
+    res = compare(e, c, t, b, torch.float32, impl=impl, reduction=reduction, **spec)
+    assert_within(res)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_loss_terms_in_16_bit(impl, dtype, device):
+    e, c, t, b = make_inputs((37,), 301, 45, dtype, bias=True, device=device)
+    t = with_ignored(t)
+    res = compare(e, c, t, b, dtype, impl=impl, label_smoothing=0.1, token_weights=weights_for(t), z_loss=0.01)
+    assert_within(res)
+
+
+@pytest.mark.parametrize("strategy", ["tiles", "chunked", "sparse"])
+def test_loss_terms_with_filtering_and_a_tile_map(strategy, device):
+    # Filtered, mapped backward: the smoothing term is added outside the kernels exactly; only the
+    # softmax part is filtered (within the bound filter_eps implies).
+    e, c, t, b = make_inputs((61,), 300, 45, torch.float32, bias=True, peaked=2.0, device=device)
+    t = with_ignored(t)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(strategy=strategy, filter_eps=2.0**-10))
+    prime_order(c, e, "sorted")
+    res = compare(e, c, t, b, torch.float32, impl="triton", variants=kv, filter_eps="auto", label_smoothing=0.1,
+                  token_weights=weights_for(t), z_loss=0.01)
+    bound_de, bound_dc = filtered_bound(e, c, t, b, kv.backward.filter_eps)
+    res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
+    res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
+    res.pop("dbias")
+    assert_within(res)
+
+
+def test_fused_strategy_with_token_weights(device):
+    e, c, t, b = make_inputs((40,), 200, 32, torch.float32, bias=True, device=device)
+    t = with_ignored(t)
+    kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
+    for reduction in ("mean", "sum"):
+        res = compare(e, c, t, b, torch.float32, impl="triton", variants=kv, reduction=reduction,
+                      token_weights=weights_for(t))
+        assert_within(res)
+
+
+@pytest.mark.parametrize("strategy", ["tiles", "chunked", "sparse"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_mixed_precision_fp32_classifier(dtype, strategy, device, monkeypatch):
+    # 16-bit e with the fp32 master classifier (and bias): dC and dbias come back in fp32, dE in e's
+    # dtype. C is converted to e's dtype a chunk at a time (here 2 tiles, so that several chunks and
+    # windows run) or its tiles in registers (sparse). Mapped strategies included.
+    from cce_autotune import kernels
+
+    monkeypatch.setattr(kernels, "CONVERT_BYTES", 2 * 32 * 45 * 2)
+    e, _, t, _ = make_inputs((3, 17), 300, 45, dtype, device=device)
+    _, c, _, b = make_inputs((3, 17), 300, 45, torch.float32, bias=True, device=device)
+    t = with_ignored(t)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(strategy=strategy, filter_eps=1e-30))
+    prime_order(c, e, "sorted")
+    for _ in range(2):  # the second call walks the remembered order and launches from the map
+        res = compare(e, c, t, b, dtype, impl="triton", variants=kv, filter_eps="auto", softcap=10.0, shift=1)
+        assert_within(res)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_classifier_conversion_rounds_like_torch(dtype, device):
+    # The conversion kernel (templates/convert.py.j2), plain and gathered, is torch's rounding to
+    # nearest, including NaN and values that overflow the 16-bit range.
+    from cce_autotune import kernels
+
+    c = torch.randn(300, 45, generator=torch.Generator().manual_seed(0)) * 3
+    c[5, 3], c[6, 4], c[7, 0] = float("nan"), 3.4e38, -7e4
+    c = c.to(device)
+    perm = torch.randperm(300, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=torch.int32)
+    buf = torch.empty(100, 45, dtype=dtype, device=device)
+    for lo, order, ref in ((50, perm, c[perm[50:150].long()]), (0, None, c[:100])):
+        out = kernels._convert_rows(c, lo, 100, order, buf)
+        assert torch.equal(out.isnan(), ref.to(dtype).isnan())
+        assert torch.equal(out.float().nan_to_num(), ref.to(dtype).float().nan_to_num())
+
+
+def test_mixed_precision_forward_converts_chunks_like_a_16_bit_classifier(device, monkeypatch):
+    # The LSE and the tile map of an fp32 classifier, converted a chunk at a time in the walked order,
+    # are those of the classifier rounded to e's dtype (the map's tiles land at their global index).
+    from cce_autotune import kernels
+    from cce_autotune.kernels import RowLayout
+
+    monkeypatch.setattr(kernels, "CONVERT_BYTES", 3 * 32 * 40 * 2)
+    e, _, t, _ = make_inputs((50,), 333, 40, torch.bfloat16, device=device)
+    _, c, _, b = make_inputs((50,), 333, 40, torch.float32, bias=True, device=device)
+    rows = RowLayout.dense(50, 40, device)
+    perm = torch.randperm(333, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch.int32)
+    variant = MAPPED.lse_forward
+    zt = kernels.indexed_dot(e, c, b, rows, t, None, SMALL.indexed_dot)
+    zt16 = kernels.indexed_dot(e, c.to(e.dtype), b, rows, t, None, SMALL.indexed_dot)
+    # (Triton's interpreter truncates in-kernel bf16 casts; a GPU rounds them to nearest, as torch.)
+    assert torch.equal(zt, zt16) if device == "cuda" else rel_err(zt, zt16) < 2e-2
+    lse, tmap = kernels.lse_forward(e, c, b, rows, None, variant, perm=perm, zt=zt16)
+    lse16, tmap16 = kernels.lse_forward(e, c.to(e.dtype), b, rows, None, variant, perm=perm, zt=zt16)
+    assert torch.equal(tmap.q, tmap16.q)
+    assert rel_err(lse, lse16) < 1e-6
+    plain, _ = kernels.lse_forward(e, c, b, rows, None, variant)
+    assert rel_err(plain, lse16) < 1e-6
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_mixed_precision_exact_and_smoothing(impl, device):
+    e, _, t, _ = make_inputs((37,), 301, 45, torch.bfloat16, device=device)
+    _, c, _, b = make_inputs((37,), 301, 45, torch.float32, bias=True, device=device)
+    res = compare(e, c, with_ignored(t), b, torch.bfloat16, impl=impl, label_smoothing=0.1, z_loss=0.01)
+    assert_within(res)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_autocast_casts_e_not_the_classifier(impl, device):
+    # Inside autocast, fp32 hidden states (a final norm's output) and the fp32 classifier give what
+    # the bf16 hidden states with the fp32 classifier give outside it; dE comes back in fp32 (through
+    # the cast), dC in fp32.
+    e, c, t, _ = make_inputs((29,), 97, 40, torch.float32, device=device)
+    ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        loss = linear_cross_entropy(ee, cc, t, impl=impl, variants=SMALL)
+    loss.backward()
+    e16 = e.to(torch.bfloat16).requires_grad_()
+    c2 = c.clone().requires_grad_()
+    ref = linear_cross_entropy(e16, c2, t, impl=impl, variants=SMALL)
+    ref.backward()
+    assert loss.dtype == torch.float32 and ee.grad.dtype == torch.float32 and cc.grad.dtype == torch.float32
+    assert torch.equal(loss, ref)
+    assert torch.equal(ee.grad, e16.grad.float()) and torch.equal(cc.grad, c2.grad)
+
+
+def test_bad_arguments_name_the_argument(device):
+    e, c, t, _ = make_inputs((5,), 20, 8, torch.float32, device=device)
+    cases = [
+        (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
+        (dict(label_smoothing=float("nan")), ValueError, "label_smoothing"),
+        (dict(z_loss=-1e-4), ValueError, "z_loss"),
+        (dict(token_weights=torch.ones(4)), ValueError, "token_weights"),
+        (dict(token_weights=torch.ones(5, dtype=torch.int64)), TypeError, "token_weights"),
+        (dict(token_weights=[1.0] * 5), TypeError, "token_weights"),
+    ]
+    for kw, exc, name in cases:
+        with pytest.raises(exc, match=name):
+            linear_cross_entropy(e, c, t, **kw)
+    with pytest.raises(TypeError, match="^c: "):
+        linear_cross_entropy(e.to(torch.bfloat16), c.to(torch.float16), t)
+    with pytest.raises(TypeError, match="^c: "):
+        linear_cross_entropy(e, c.to(torch.bfloat16), t)  # a classifier narrower than e
