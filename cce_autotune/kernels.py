@@ -155,6 +155,16 @@ def convert_width(V: int, D: int, block_v: int, elem: int) -> int:
     return min(rows, triton.cdiv(V, block_v) * block_v)
 
 
+def converted_classifier(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The whole classifier converted to ``dtype`` (one launch) when that copy fits in
+    :data:`CONVERT_BYTES`, the size of one conversion chunk; else None (the kernels convert it a
+    chunk or window at a time)."""
+    V, D = c.shape
+    if V * D * torch.empty((), dtype=dtype).element_size() > CONVERT_BYTES:
+        return None
+    return _convert_rows(c, 0, V, None, torch.empty((V, D), dtype=dtype, device=c.device))
+
+
 def _convert_rows(c: torch.Tensor, lo: int, w: int, perm: torch.Tensor | None, buf: torch.Tensor) -> torch.Tensor:
     """Rows lo..lo+w of the classifier (in the order ``perm`` when given), rounded to nearest in
     ``buf``'s dtype, into ``buf`` (one launch of ``templates/convert.py.j2``: no fp32 staging copy);
@@ -207,6 +217,7 @@ def backward(
     e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap,
     filter_eps, variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None = None,
     live: torch.Tensor | None = None, chunks: list | None = None, targets: torch.Tensor | None = None,
+    dc_dtype: torch.dtype | None = None,
 ):
     """dE (shape and dtype of ``e``), dC (of ``c``), dbias (of ``bias``, or None), as ``plan`` says
     (see :mod:`cce_autotune.planner`, which decides everything this function launches).
@@ -219,7 +230,8 @@ def backward(
     With ``plan.use_map``: ``tile_map`` is the forward's map, ``perm`` the order that forward walked,
     ``live`` the (row blocks, tiles) grid of live tiles at the variant's tiling
     (:func:`~cce_autotune.tile_map.live_grid`), ``targets`` the vocabulary index of each row's target
-    and, for the chunked strategy, ``chunks[k]`` whether vocabulary chunk k holds a live tile. Only live tiles are computed; the onehot term of a row whose target tile is dead is
+    and, for the chunked strategy, ``chunks[k]`` whether vocabulary chunk k holds a live tile.
+    ``dc_dtype``: dC's dtype when it is not c's (``c`` a converted copy of a wider classifier). Only live tiles are computed; the onehot term of a row whose target tile is dead is
     added outside the kernels.
     """
     if plan.use_map and (tile_map is None or live is None or filter_eps is None or targets is None
@@ -236,13 +248,13 @@ def backward(
         coef_out = torch.where(in_live, 0.0, coef_t)
     if plan.strategy == "chunked":
         return _backward_chunked(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
-                                 variant, plan, tile_map, live, chunks)
+                                 variant, plan, tile_map, live, chunks, dc_dtype=dc_dtype)
     if plan.strategy == "sparse":
         return _backward_sparse(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
-                                softcap, variant, tile_ids(live, 1, swizzle=False), tile_map)
+                                softcap, variant, tile_ids(live, 1, swizzle=False), tile_map, dc_dtype=dc_dtype)
     if plan.use_map and plan.window_v and rows.n > 0:
         return _backward_tiles_windowed(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
-                                        softcap, filter_eps, variant, plan, tile_map, live)
+                                        softcap, filter_eps, variant, plan, tile_map, live, dc_dtype=dc_dtype)
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
@@ -250,7 +262,8 @@ def backward(
     use_map = plan.use_map and n_rows > 0
     acc_dtype = e.dtype if native else torch.float32
     de = torch.zeros(e.shape, dtype=acc_dtype, device=dev)
-    dc = torch.zeros(c.shape, dtype=c.dtype if native else torch.float32, device=dev)
+    dc_dtype = dc_dtype or c.dtype
+    dc = torch.zeros(c.shape, dtype=dc_dtype if native else torch.float32, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
     if n_rows > 0:
         if use_map:
@@ -263,7 +276,7 @@ def backward(
                       tiles, de, dc, dbias)
     if not native:
         de = de.to(e.dtype)
-        dc = dc.to(c.dtype)
+        dc = dc.to(dc_dtype)
     if dbias is not None:
         dbias = dbias.to(bias.dtype)
     return de, dc, dbias
@@ -304,7 +317,7 @@ def _launch_tiles(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, 
 
 def _backward_tiles_windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
                              softcap, filter_eps, variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap,
-                             live) -> tuple:
+                             live, dc_dtype=None) -> tuple:
     """The tile kernel over the live tiles, one vocabulary window of ``plan.window_v`` walked
     positions at a time, so that the fp32 dC scratch is window x D instead of V x D: each window's
     dC rows are rounded into dC once its tiles are done. dE keeps its fp32 scratch (n x D)."""
@@ -315,7 +328,7 @@ def _backward_tiles_windowed(e, c, bias, rows: RowLayout, target_pos, targets, l
     T = live.shape[1]
     per = W // variant.block_v
     de32 = torch.zeros(e.shape, dtype=torch.float32, device=dev)
-    dc = torch.zeros(c.shape, dtype=c.dtype, device=dev)
+    dc = torch.zeros(c.shape, dtype=dc_dtype or c.dtype, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
     tiles = tile_ids(live, variant.group_b)
     window = (tiles % T) // per
@@ -351,7 +364,7 @@ def _target_weight(coef_t, zt, softcap) -> torch.Tensor:
 
 
 def _backward_sparse(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
-                     variant: BackwardVariant, tiles: torch.Tensor, tile_map: TileMap):
+                     variant: BackwardVariant, tiles: torch.Tensor, tile_map: TileMap, dc_dtype=None):
     """The ``strategy="sparse"`` backward (see backward_sparse.py.j2): ``tiles`` are the live tile ids
     in row-major order; ``coef_out`` the onehot coefficients of rows whose target tile is not among
     them (0 for the others)."""
@@ -391,7 +404,7 @@ def _backward_sparse(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef
     per_stage = (BB * BV + max(BB, BV) * BDO) * e.element_size()
     stages = max(1, min(variant.num_stages, _SPARSE_SMEM // per_stage))
     de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
-    dc = torch.empty(c.shape, dtype=c.dtype, device=dev)
+    dc = torch.empty(c.shape, dtype=dc_dtype or c.dtype, device=dev)
     n_d = triton.cdiv(D, BDO)
     load_kernel(variant, flags, "cce_sparse_de_kernel")[(R, n_d)](
         c, perm, tiles, row_ptr, g_buf, targets, w, de, rows.de_offsets,
@@ -436,7 +449,8 @@ def _add_matmul_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
 
 
 def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
-                      variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None, live, chunks):
+                      variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None, live, chunks,
+                      dc_dtype=None):
     """The ``strategy="chunked"`` backward: for each vocabulary chunk of ``plan.chunk_v`` columns that
     holds a live tile (every chunk without a map), a kernel writes the gradient block g of every row
     (dead tiles as zeros, not recomputed) to a buffer that lines up with the rows of E, and cuBLAS
@@ -451,7 +465,7 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
     de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
     de2 = de.view(N, D)
     acc = torch.zeros((N, D), dtype=torch.float32, device=dev) if plan.de_fp32 else de2
-    dc = torch.empty(c.shape, dtype=c.dtype, device=dev)
+    dc = torch.empty(c.shape, dtype=dc_dtype or c.dtype, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
     W = min(plan.chunk_v or variant.chunk_v, V)
     n_chunks = triton.cdiv(V, W)
@@ -581,12 +595,13 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 FUSED_BLOCK_V = 2048
 
 
-def fused(e, c, bias, rows: RowLayout, targets, coef, softcap, variant: BackwardVariant, row_block: int):
+def fused(e, c, bias, rows: RowLayout, targets, coef, softcap, variant: BackwardVariant, row_block: int,
+          dc_dtype: torch.dtype | None = None):
     """The ``strategy="fused"`` forward: the loss's LSE and target logits, and the gradients for a
     loss whose gradient with respect to row i's logits is ``softmax * coef[i] - onehot * coef[i]``
     (times the softcap derivative): returns ``(lse, zt, dE, dC, dbias)`` (fp32 LSE and target logits
     of the rows taking part; dE, dC, dbias shaped and typed like e, c, bias; dbias None without a
-    bias). Rows go in blocks of ``row_block``: cuBLAS forms the block's fp32 logits, the kernel its
+    bias, dC in ``dc_dtype`` when given). Rows go in blocks of ``row_block``: cuBLAS forms the block's fp32 logits, the kernel its
     LSE, target logit and gradient g (input dtype), cuBLAS dE[block] = g C and dC += g^T E[block]."""
     n, D = rows.n, e.shape[-1]
     V = c.shape[0]
@@ -598,7 +613,7 @@ def fused(e, c, bias, rows: RowLayout, targets, coef, softcap, variant: Backward
     zt = torch.empty(n, dtype=torch.float32, device=dev)
     de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
     de2 = de.view(-1, D)
-    dc = torch.zeros(c.shape, dtype=c.dtype, device=dev)
+    dc = torch.zeros(c.shape, dtype=dc_dtype or c.dtype, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
     if n == 0:
         return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None
@@ -621,7 +636,7 @@ def fused(e, c, bias, rows: RowLayout, targets, coef, softcap, variant: Backward
             torch.mm(g_blk, c, out=de2[r0:r1])
         else:
             de2.index_copy_(0, row_idx[r0:r1], g_blk @ c)
-        dc.addmm_(g_blk.T, e_blk)  # fp32 inside cuBLAS, one rounding per block of rows
+        _add_matmul(dc, g_blk.T, e_blk)  # fp32 inside cuBLAS, one rounding per block of rows (none for fp32 dC)
         if dbias is not None:
             dbias += g_blk.sum(0, dtype=torch.float32)
     return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None

@@ -221,8 +221,8 @@ class _CallState:
 def _fused_allowed(p: _Problem, e, c) -> bool:
     """The fused strategy computes gradients for a unit incoming gradient of a "mean" or "sum" loss
     in the forward, with one coefficient per row for the softmax and the onehot: not for per-row
-    incoming gradients, the returned LSE's, label smoothing, the z-loss, or a classifier wider than
-    e (its cuBLAS logits would need a converted copy of C)."""
+    incoming gradients, the returned LSE's, label smoothing, the z-loss, or a classifier the kernels
+    read wider than e (its cuBLAS logits would need a whole converted copy of C)."""
     o = p.options
     return (o.reduction in ("mean", "sum") and not o.return_lse and not o.label_smoothing and not o.z_loss
             and c.dtype == e.dtype)
@@ -265,11 +265,24 @@ def _column_sum(c: torch.Tensor) -> torch.Tensor:
 # Forward
 
 
+def _kernel_classifier(e, c):
+    """The classifier the kernels read: ``c``, or for an fp32 classifier with 16-bit e whose
+    converted copy fits in one conversion chunk (``kernels.CONVERT_BYTES``), that copy (then every
+    strategy runs as for a 16-bit classifier, the fused one included). A larger classifier is
+    converted a chunk or window at a time inside the kernel launches. Remembered orders and pauses
+    stay keyed by ``c`` itself."""
+    if c.dtype == e.dtype:
+        return c
+    return kernels.converted_classifier(c, e.dtype) if c.is_cuda or interpreting() else c
+
+
 def _forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool):
     p = prepare(e, c, targets, bias, token_weights, o)
     state = _CallState()
     zsum = None
     if p.impl == "triton":
+        ck = _kernel_classifier(e, c)
+        ck = c if ck is None else ck
         kv = p.variants
         bw = kv.backward
         sort = needs_grad and bw.sort_vocab and p.filter_eps is not None and p.n_rows > 0
@@ -287,22 +300,22 @@ def _forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool):
         if needs_grad and p.n_rows > 0 and (paused or bw.strategy == "fused"):
             fused = planner.plan_forward(
                 _planner_problem(e, c, bias, p), bw, paused=paused, dense_rows=p.layout.dense_stride is not None,
-                allowed=_fused_allowed(p, e, c), max_extra_memory=o.max_extra_memory, gpu=_gpu(e.device))
+                allowed=_fused_allowed(p, e, ck), max_extra_memory=o.max_extra_memory, gpu=_gpu(e.device))
         if fused is not None:
             p.check_targets()
-            lse, zt, de, dc, dbias = kernels.fused(e, c, bias, p.layout, p.targets, p.unit_coef().contiguous(),
-                                                   p.softcap, bw, fused.row_block)
+            lse, zt, de, dc, dbias = kernels.fused(e, ck, bias, p.layout, p.targets, p.unit_coef().contiguous(),
+                                                   p.softcap, bw, fused.row_block, dc_dtype=c.dtype)
             state.fused = (de, dc, dbias)
         else:
             if paused:
                 sort = False  # the planner found filtering cannot pay for this classifier now
             state.sort = sort
-            zt = kernels.indexed_dot(e, c, bias, p.layout, p.targets, p.softcap, kv.indexed_dot)
+            zt = kernels.indexed_dot(e, ck, bias, p.layout, p.targets, p.softcap, kv.indexed_dot)
             # The call's one device-to-host copy, just before the main kernel's launch, so that the
             # GPU does not wait for the host's preparations.
             p.check_targets()
             lse, state.tile_map = kernels.lse_forward(
-                e, c, bias, p.layout, p.softcap, kv.lse_forward, perm=walk, zt=zt if walk is not None else None,
+                e, ck, bias, p.layout, p.softcap, kv.lse_forward, perm=walk, zt=zt if walk is not None else None,
             )
         if o.label_smoothing:  # (no softcap here: see resolve_impl) Σ_j z_ij = e_i · Σ_j c_j + Σ_j b_j
             state.csum = _column_sum(c)
@@ -381,9 +394,11 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         order = vocab_order.sort_order(p.layout.take(e), c, bias, weights=p.valid)
         if bw.tile_map:
             vocab_order.remember(c, order)  # the next forward of this classifier walks it
+    ck = _kernel_classifier(e, c)
+    ck = c if ck is None else ck
     prob = _planner_problem(e, c, bias, p, tmap)
     plan, live, chunks, pause = planner.decide(prob, bw, p.filter_eps, tmap, lse_v, o.max_extra_memory,
-                                               _gpu(e.device), fused_allowed=_fused_allowed(p, e, c))
+                                               _gpu(e.device), fused_allowed=_fused_allowed(p, e, ck))
     eps = p.filter_eps
     if pause:
         vocab_order.pause(c, planner.PAUSE_CALLS)
@@ -401,9 +416,9 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
     else:
         target_pos = p.targets
     de, dc, dbias = kernels.backward(
-        e, c, bias, p.layout, target_pos, lse_v, coef_s, coef_t, perm,
+        e, ck, bias, p.layout, target_pos, lse_v, coef_s, coef_t, perm,
         p.softcap, eps, bw, plan, tile_map=tmap if plan.use_map else None,
-        live=live, chunks=chunks, targets=p.targets,
+        live=live, chunks=chunks, targets=p.targets, dc_dtype=c.dtype,
     )
     if coef_u is not None:
         csum = state.csum if state is not None and state.csum is not None else _column_sum(c)

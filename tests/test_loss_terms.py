@@ -130,6 +130,10 @@ def test_fused_strategy_with_token_weights(device):
         res = compare(e, c, t, b, torch.float32, impl="triton", variants=kv, reduction=reduction,
                       token_weights=weights_for(t))
         assert_within(res)
+    # An fp32 classifier small enough to be converted whole runs the fused strategy too (dC in fp32).
+    e16 = e.to(torch.bfloat16)
+    res = compare(e16, c, t, b, torch.bfloat16, impl="triton", variants=kv, token_weights=weights_for(t))
+    assert_within(res)
 
 
 @pytest.mark.parametrize("strategy", ["tiles", "chunked", "sparse"])
