@@ -75,7 +75,14 @@ def _number(name: str, value, lo: float, hi: float, hi_open: bool = True) -> flo
     return float(value)
 
 
-@torch._dynamo.assume_constant_result
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing the compiler with the package
+    (over a second): it sets this marker; tests/test_compile.py fails if a release changes it."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _encode_options(ignore_index, softcap, reduction, shift, return_lse, label_smoothing, z_loss, filter_eps, impl,
                     variants, max_extra_memory) -> str:
     """Check the non-tensor arguments; the :class:`~cce_autotune.ops.Options` string the operators
