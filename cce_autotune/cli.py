@@ -16,6 +16,7 @@ import argparse
 from dataclasses import replace
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from .variant import KERNELS, VariantError
@@ -210,13 +211,23 @@ def _cmd_tune(args, out, err) -> int:
         return 2
     out_dir = args.out or (cache_dir() / "tuned_configs")
     target = Path(out_dir) / f"{gpu}.yaml"
-    out.write(tune.describe_plan(plan, backend.smem_limit(), workers) + "\n")
     storage = args.storage or tune.default_storage_url()
+    # Both places are checked before the first study (which may take an hour on a GPU).
+    problem = _check_out(target) or _check_storage(storage, workers)
+    if problem:
+        err.write(f"cce-tune: {problem}\n")
+        return 2
+    out.write(tune.describe_plan(plan, backend.smem_limit(), workers) + "\n")
     out.write(f"studies: {storage}\nresults: {target}\n")
     out.flush()
 
     def save(entry) -> None:
-        report = db.save_entries(target, [entry], gpu=gpu)
+        try:
+            report = db.save_entries(target, [entry], gpu=gpu)
+        except OSError as exc:  # e.g. a full disk: the study keeps its winner; the plan goes on
+            err.write(f"cce-tune: could not save {entry.key.describe()} to {target}: {exc.strerror or exc}; "
+                      "the study keeps the result: run the same command again to save it\n")
+            return
         out.write(f"saved {entry.key.describe()} -> {target}: {report}\n")
         out.flush()
 
@@ -231,9 +242,43 @@ def _cmd_tune(args, out, err) -> int:
     except tune.DeviceLost as exc:
         err.write(f"\ncce-tune: {exc}\n")
         return 3
+    except (OSError, tune.sqlalchemy.exc.SQLAlchemyError) as exc:  # the studies database failed
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        err.write(f"\ncce-tune: studies database {storage}: {first[:300]}; "
+                  "free the space or fix the storage, then run the same command again to resume\n")
+        return 3
     dispatch.clear_cache()
     out.write(f"done: {len(entries)} of {len(plan.studies)} studies produced a winner\n")
     return 0 if entries or not plan.studies else 1
+
+
+def _check_out(target: Path) -> str | None:
+    """Why the results file cannot be written (one line), or None: its folder is created and a file
+    written and removed there, and an existing file must be writable."""
+    flag = "results folder"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".cce-tune-check-"):
+            pass
+        if target.exists() and not os.access(target, os.W_OK):
+            return f"{flag} {target.parent}: {target.name} is not writable"
+    except OSError as exc:
+        return f"{flag} {target.parent}: cannot write results there: {exc.strerror or exc}"
+    return None
+
+
+def _check_storage(url: str, workers: int) -> str | None:
+    """Why the studies database cannot be used (one line), or None (it is opened once here)."""
+    from . import tune
+    if url.strip() in ("sqlite://", "sqlite:///:memory:"):
+        return (f"--storage {url}: an in-memory database cannot be resumed or shared by --workers; "
+                "give a file (sqlite:///path/studies.db) or a server URL")
+    try:
+        tune.make_storage(url)
+    except Exception as exc:  # noqa: BLE001 - any failure to open the storage, as one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"--storage {url}: cannot open the studies database: {type(exc).__name__}: {first[:200]}"
+    return None
 
 
 # -- show --------------------------------------------------------------------------------------
@@ -377,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"tune": _cmd_tune, "show": _cmd_show, "render": _cmd_render, "explain": _cmd_explain}[command]
     try:
         return handler(args, sys.stdout, sys.stderr)
+    except KeyboardInterrupt:  # (a run's own handler says how to resume)
+        sys.stderr.write(f"\n{parser.prog}: interrupted\n")
+        return 130
     except _UsageError as exc:
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"{parser.prog}: error: {exc}\n")

@@ -34,7 +34,9 @@ import contextlib
 import math
 import os
 import re
+import stat
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -301,12 +303,18 @@ def _cost_model(data: Any) -> dict | None:
 
 def load_file(path: str | Path, expect_gpu: str | None = None) -> ConfigFile:
     """Read and validate one ``<slug>.yaml`` (``expect_gpu``: the slug its name promises)."""
-    path = Path(path)
+    return parse_config(_read_text(Path(path)), Path(path), expect_gpu)
+
+
+def _read_text(path: Path) -> str:
+    """The file's UTF-8 text; :class:`ConfigDBError` naming the file when it cannot be read or is not
+    UTF-8."""
     try:
-        text = path.read_text()
+        return path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigDBError(path, f"cannot read: {exc.strerror or exc}") from None
-    return parse_config(text, path, expect_gpu)
+    except UnicodeDecodeError as exc:
+        raise ConfigDBError(path, f"not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -317,11 +325,14 @@ class MergeReport:
     kept: list = field(default_factory=list)  # keys where the stored entry is at least as fast
 
     def __str__(self) -> str:
-        return f"{len(self.added)} added, {len(self.replaced)} replaced (faster), {len(self.kept)} kept (stored one as fast or faster)"
+        return (f"{len(self.added)} added, {len(self.replaced)} replaced (faster, or tuned on the current template), "
+                f"{len(self.kept)} kept (stored one as fast or faster)")
 
 
 def merge_entries(existing: Iterable[Entry], new: Iterable[Entry]) -> tuple[list, MergeReport]:
-    """Entries after adding ``new``: a new entry replaces a stored one only if it is faster."""
+    """Entries after adding ``new``: an entry tuned on the kernel's current template replaces one
+    tuned on an older template (whatever their timings: the old one measured other code); between
+    two of the same standing a new entry replaces a stored one only if it is faster."""
     out = {e.key: e for e in existing}
     report = MergeReport()
     for e in new:
@@ -329,12 +340,25 @@ def merge_entries(existing: Iterable[Entry], new: Iterable[Entry]) -> tuple[list
         if old is None:
             out[e.key] = e
             report.added.append(e.key)
-        elif e.median_ms < old.median_ms:
+            continue
+        new_current, old_current = _is_current(e), _is_current(old)
+        if new_current != old_current:
+            better = new_current
+        else:
+            better = e.median_ms < old.median_ms
+        if better:
             out[e.key] = e
             report.replaced.append(e.key)
         else:
             report.kept.append(e.key)
     return [out[k] for k in sorted(out)], report
+
+
+def _is_current(entry: Entry) -> bool:
+    """The entry was tuned on its kernel's template as it is now."""
+    from .codegen import template_hash
+
+    return entry.template_hash == template_hash(entry.key.kernel)
 
 
 @contextlib.contextmanager
@@ -358,10 +382,27 @@ def _dump(gpu: str, entries: list, cost_model: dict | None = None) -> str:
     return _HEADER + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
 
 
+_umask_lock = threading.Lock()
+
+
+def _file_mode(path: Path) -> int:
+    """The mode a rewritten file keeps: the existing file's, else what the umask gives a new file
+    (``mkstemp`` would leave 0600: other users sharing a config folder could no longer read it)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        with _umask_lock:
+            mask = os.umask(0)
+            os.umask(mask)
+        return 0o666 & ~mask
+
+
 def _write_atomic(path: Path, text: str) -> None:
+    mode = _file_mode(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -435,10 +476,9 @@ class AliasTable:
 
 
 def _parse_aliases(path: Path) -> AliasTable:
+    text = _read_text(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigDBError(path, f"cannot read: {exc.strerror or exc}") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigDBError(path, f"not valid YAML: {exc}") from None
     if not isinstance(data, dict):

@@ -52,6 +52,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import optuna
 import sqlalchemy
+import sqlalchemy.exc
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
@@ -653,9 +654,31 @@ def default_storage_url() -> str:
     return f"sqlite:///{cache_dir() / 'studies.db'}"
 
 
+# Attempts at creating a storage whose tables another process creates at the same moment.
+STORAGE_ATTEMPTS = 6
+
+
 def make_storage(url: str | None = None) -> optuna.storages.BaseStorage:
-    """Optuna RDB storage for ``url`` (default: the SQLite file in the user cache)."""
+    """Optuna RDB storage for ``url`` (default: the SQLite file in the user cache).
+
+    Several processes may open one fresh database at once (``--workers``, or machines sharing a
+    ``--storage``): the one that loses the race to create Optuna's tables gets an IntegrityError
+    (or "table ... already exists", "database is locked"); it waits a moment and opens the now
+    existing database again."""
     url = url or default_storage_url()
+    for attempt in range(STORAGE_ATTEMPTS):
+        try:
+            return _open_storage(url)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError) as exc:
+            racing = isinstance(exc, sqlalchemy.exc.IntegrityError) or any(
+                m in str(exc).lower() for m in ("locked", "already exists"))
+            if attempt == STORAGE_ATTEMPTS - 1 or not racing:
+                raise
+            time.sleep(0.2 * (attempt + 1) * (1 + random.random()))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _open_storage(url: str) -> optuna.storages.BaseStorage:
     if not url.startswith("sqlite:///"):
         return optuna.storages.RDBStorage(url)
     # SQLite: wait for other workers' locks instead of failing, and use write-ahead logging with
@@ -703,6 +726,26 @@ def open_study(spec: StudySpec, storage, seed: int = 0, worker: int = 0) -> optu
         study.set_user_attr("gate", dataclasses.asdict(spec.gate))
         study.set_user_attr("template_hash", codegen.template_hash(spec.kernel))
     return study
+
+
+def _worker_dead(worker) -> bool:
+    """True when ``worker`` ("host:pid:wN", a trial's claimant) ran on this host and its process is
+    gone (kill -9, an OOM kill, a Ctrl-C'd worker child): its RUNNING trial will never finish. A
+    worker on another host is judged by the trial's age instead."""
+    try:
+        host, pid, _ = str(worker).rsplit(":", 2)
+        pid = int(pid)
+    except ValueError:
+        return False
+    if host != socket.gethostname() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
 
 
 def _measured(t) -> bool:
@@ -843,7 +886,9 @@ def run_study(spec: StudySpec, backend: Backend, storage=None, *, seed: int = 0,
         trials = study.get_trials(deepcopy=False)
         now = datetime.datetime.now()
         for t in trials:  # trials of a worker that died: failed, so their slot is free again
-            if t.state == TrialState.RUNNING and t.datetime_start and (now - t.datetime_start).total_seconds() > stale_after:
+            if t.state == TrialState.RUNNING and t.user_attrs.get("worker") != me and (
+                    _worker_dead(t.user_attrs.get("worker"))
+                    or (t.datetime_start and (now - t.datetime_start).total_seconds() > stale_after)):
                 study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
         claimed = sum(1 for t in trials if _measured(t) and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
         if claimed >= spec.n_trials:

@@ -1,0 +1,160 @@
+"""Defects found by fault injection and bad input (issue 10): each test failed before its fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import optuna
+import pytest
+import sqlalchemy.exc
+import torch
+import torch.nn.functional as F
+from conftest_tune import isolated, make_entry  # noqa: F401
+from optuna.trial import TrialState
+
+from cce_autotune import cli, codegen, db, linear_cross_entropy, tune
+from helpers import make_inputs, rel_err
+from test_loss import SMALL
+
+PROBLEM = tune.Problem(B=512, V=32000, D=256)
+
+
+def run_cli(capsys, *argv):
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# 1. Second derivatives: refused clearly on both paths (the torch path used to return a wrong one).
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_double_backward_is_refused_clearly(impl, device):
+    e, c, t, _ = make_inputs((6,), 20, 16, torch.float32, device=device)
+    e.requires_grad_()
+    loss = linear_cross_entropy(e, c, t, impl=impl, variants=SMALL)
+    (g,) = torch.autograd.grad(loss, e, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivatives are not supported"):
+        torch.autograd.grad((g * g).sum(), e)
+
+
+# 2. Unsigned targets: ignore_index=-100 must not wrap to 156 (class 156 silently ignored).
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_uint8_targets_compare_in_int64(impl, device):
+    e, c, _, _ = make_inputs((8,), 200, 16, torch.float32, device=device)
+    t = torch.tensor([156, 3, 156, 199, 0, 156, 7, 100], dtype=torch.uint8, device=device)
+    out = linear_cross_entropy(e, c, t, impl=impl, variants=SMALL)
+    ref = F.cross_entropy(e.double() @ c.double().T, t.long())
+    assert torch.isfinite(out) and rel_err(out, ref) < 1e-5
+
+
+# 3. Several processes creating one fresh studies database: the loser of the race opens it again.
+def test_storage_creation_retries_a_lost_race(isolated, monkeypatch):
+    real, calls = tune._open_storage, []
+
+    def racing(url):
+        calls.append(url)
+        if len(calls) == 1:
+            raise sqlalchemy.exc.IntegrityError("INSERT INTO alembic_version", {}, Exception("UNIQUE constraint failed"))
+        return real(url)
+
+    monkeypatch.setattr(tune, "_open_storage", racing)
+    storage = tune.make_storage(f"sqlite:///{isolated['tmp'] / 'race.db'}")
+    assert len(calls) == 2 and isinstance(storage, optuna.storages.RDBStorage)
+
+
+def test_concurrent_creation_of_one_database(isolated):
+    # Four processes open the same fresh database at once (the crash the issue saw in 2 of 4 runs).
+    url = f"sqlite:///{isolated['tmp'] / 'fresh.db'}"
+    code = f"from cce_autotune import tune; tune.make_storage({url!r}); print('ok')"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    results = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
+
+
+# 4. The saved YAML keeps the existing file's mode, or follows the umask for a new one (not 0600).
+def test_saved_configs_keep_their_mode(isolated):
+    path = isolated["tmp"] / "h200.yaml"
+    old = os.umask(0o022)
+    try:
+        db.save_entries(path, [make_entry(median=1.0)], gpu="h200")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        path.chmod(0o640)
+        db.save_entries(path, [make_entry(median=0.5)], gpu="h200")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    finally:
+        os.umask(old)
+
+
+# 5. A trial left RUNNING by a killed worker does not count against --trials.
+def test_trials_of_a_dead_worker_do_not_count(isolated):
+    url = f"sqlite:///{isolated['tmp'] / 'studies.db'}"
+    spec = tune.StudySpec("h200", "indexed_dot", PROBLEM, n_trials=5)
+    study = tune.open_study(spec, url)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    trial = study.ask(tune._distributions(tune.load_space(spec.kernel)))
+    trial.set_user_attr("measured", True)
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}:w0")
+    backend = tune.make_backend("fake")
+    stats = tune.run_study(spec, backend, url)
+    trials = study.get_trials()
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and t.user_attrs.get("measured")]
+    assert len(done) == 5, stats
+    assert study.get_trials()[0].state == TrialState.FAIL
+
+
+# 6. An unusable results folder or studies database is found before tuning, in one line.
+@pytest.mark.parametrize("case", ["notaurl", "foo://bar", "memory", "out"])
+def test_bad_out_and_storage_fail_early_in_one_line(case, isolated, capsys, monkeypatch):
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    argv = ["--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512", "--trials", "3",
+            "--kernels", "indexed_dot"]
+    if case == "out":
+        blocker = isolated["tmp"] / "a_file"
+        blocker.write_text("x")
+        argv += ["--out", str(blocker / "sub")]
+    else:
+        argv += ["--storage", {"memory": "sqlite://"}.get(case, case)]
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert ("results folder" in err) if case == "out" else ("--storage" in err)
+    assert "studies" not in out  # nothing was tuned
+
+
+# 7. A config file that is not UTF-8 is named in the error (API and cce-tune show).
+def test_non_utf8_config_is_named(isolated, capsys):
+    bad = isolated["config"] / "h200.yaml"
+    bad.write_bytes(b"schema_version: 1\ngpu: h200\n# \xff\xfe\n")
+    with pytest.raises(db.ConfigDBError, match="h200.yaml.*not UTF-8"):
+        db.load_file(bad)
+    rc, out, err = run_cli(capsys, "show", "--gpu", "h200")
+    assert rc == 1 and "h200.yaml" in err and "UTF-8" in err and "Traceback" not in err
+
+
+# 9. An entry tuned on the current template replaces one tuned on an older template.
+def test_current_template_entry_wins_over_a_stale_one():
+    stale = make_entry(kernel="indexed_dot", median=1.0)  # template hash 0123456789abcdef
+    current = dataclasses.replace(make_entry(kernel="indexed_dot", median=1.05),
+                                  template_hash=codegen.template_hash("indexed_dot"))
+    merged, report = db.merge_entries([stale], [current])
+    assert merged == [current] and report.replaced
+    faster_stale = make_entry(kernel="indexed_dot", median=0.5)
+    merged, report = db.merge_entries([current], [faster_stale])
+    assert merged == [current] and report.kept
+
+
+# 10. Ctrl-C during the plan step: a line, exit status 130, no traceback.
+def test_ctrl_c_during_planning(isolated, capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune, "make_plan", interrupted)
+    rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "32000", "--dry-run")
+    assert rc == 130 and "interrupted" in err and "Traceback" not in err
