@@ -33,6 +33,7 @@ from .variant import DEFAULT_SMEM_BYTES, KERNELS, KernelVariants, VariantError
 __all__ = [
     "ENV_GPU",
     "ENV_CONFIG_DIR",
+    "ENV_NO_CONFIGS",
     "TunedConfigWarning",
     "select_variants",
     "default_variants",
@@ -54,6 +55,7 @@ __all__ = [
 
 ENV_GPU = "CCE_AUTOTUNE_GPU"
 ENV_CONFIG_DIR = "CCE_AUTOTUNE_CONFIG_DIR"
+ENV_NO_CONFIGS = "CCE_AUTOTUNE_NO_CONFIGS"  # "1": no tuned-config file is read (built-in defaults)
 CPU_SLUG = "cpu"
 
 
@@ -89,7 +91,30 @@ def _log_distance(a: db.EntryKey, B: int, V: int, D: int) -> float:
 
 
 def _env_key() -> tuple:
-    return tuple(os.environ.get(k) for k in (ENV_CONFIG_DIR, "CCE_AUTOTUNE_CACHE_DIR", "XDG_CACHE_HOME"))
+    return tuple(os.environ.get(k) for k in (ENV_CONFIG_DIR, "CCE_AUTOTUNE_CACHE_DIR", "XDG_CACHE_HOME", ENV_NO_CONFIGS))
+
+
+def configs_disabled() -> bool:
+    """``$CCE_AUTOTUNE_NO_CONFIGS`` is set (to anything but "" or "0"): the runtime reads no tuned
+    config, every call uses the built-in defaults and cost model."""
+    return os.environ.get(ENV_NO_CONFIGS, "0") not in ("", "0")
+
+
+_skipped: set = set()  # files already warned about
+
+
+def _load_or_skip(path: Path, slug: str) -> db.ConfigFile | None:
+    """The config file, or None (one warning per file and process) when it cannot be read or
+    parsed: a broken file must not stop training, and other folders' entries still apply.
+    (``cce-tune show`` and saving report such a file as an error.)"""
+    try:
+        return db.load_file(path, expect_gpu=slug)
+    except db.ConfigDBError as exc:
+        if str(path) not in _skipped:
+            _skipped.add(str(path))
+            warnings.warn(f"cce_autotune: skipping a tuned-config file that does not load: {exc} "
+                          f"(set {ENV_NO_CONFIGS}=1 to read no config file)", stacklevel=3)
+        return None
 
 
 def config_search_path() -> list[Path]:
@@ -112,7 +137,13 @@ def config_search_path() -> list[Path]:
 
 @lru_cache(maxsize=8)
 def _alias_table(env_key: tuple) -> db.AliasTable:
-    return db.load_aliases(d / "aliases.yaml" for d in config_search_path())
+    table = db.AliasTable()
+    for d in config_search_path():
+        try:
+            table = table.extend(db.load_aliases([d / "aliases.yaml"]))
+        except db.ConfigDBError as exc:  # a broken alias file: skipped, as a broken config file
+            warnings.warn(f"cce_autotune: skipping an alias file that does not load: {exc}", stacklevel=3)
+    return table
 
 
 def alias_table() -> db.AliasTable:
@@ -200,11 +231,14 @@ def tune_command(gpu: str, dtype: str, B: int, V: int, D: int, has_bias=False, h
 def _load_entries(slug: str) -> list[tuple[db.Entry, Path]]:
     """All entries for ``slug`` along the search path; a key in an earlier folder hides later ones."""
     seen: dict[db.EntryKey, tuple[db.Entry, Path]] = {}
+    if configs_disabled():
+        return []
     for d in config_search_path():
         path = d / f"{slug}.yaml"
         if not path.is_file():
             continue
-        for entry in db.load_file(path, expect_gpu=slug).entries:
+        cfg = _load_or_skip(path, slug)
+        for entry in cfg.entries if cfg is not None else []:
             seen.setdefault(entry.key, (entry, path))
     return list(seen.values())
 
@@ -236,11 +270,11 @@ def cost_model_for(slug: str) -> tuple[dict, Path] | None:
     key = (slug, _env_key())
     if key not in _cost_cache:
         found = None
-        for d in config_search_path():
+        for d in [] if configs_disabled() else config_search_path():
             path = d / f"{slug}.yaml"
             if path.is_file():
-                cfg = db.load_file(path, expect_gpu=slug)
-                if cfg.cost_model:
+                cfg = _load_or_skip(path, slug)
+                if cfg is not None and cfg.cost_model:
                     found = (cfg.cost_model, path)
                     break
         with _lock:
@@ -257,6 +291,7 @@ def clear_cache() -> None:
         _cost_cache.clear()
         _alias_table.cache_clear()
         _device_slug.cache_clear()
+        _skipped.clear()
         _warned = False
 
 

@@ -158,3 +158,24 @@ def test_ctrl_c_during_planning(isolated, capsys, monkeypatch):
     monkeypatch.setattr(tune, "make_plan", interrupted)
     rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "32000", "--dry-run")
     assert rc == 130 and "interrupted" in err and "Traceback" not in err
+
+
+# 8. A broken config file is skipped with one warning (other folders still apply); the database can
+#    be switched off.
+def test_broken_lower_priority_config_is_skipped(isolated, monkeypatch):
+    from cce_autotune import dispatch
+
+    good = isolated["config"]
+    lower = isolated["cache"] / "tuned_configs"
+    lower.mkdir(parents=True)
+    (lower / "h200.yaml").write_text("schema_version: 1\ngpu: h200\nentries: [{broken\n")
+    entry = make_entry(kernel="indexed_dot", dtype="bf16", B=512, V=32000, D=256, block_b=16, block_d=64)
+    db.save_entries(good / "h200.yaml", [entry], gpu="h200")
+    dispatch.clear_cache()
+    with pytest.warns(UserWarning, match="skipping a tuned-config file"):
+        picked = dispatch.select("h200", "bf16", 512, 32000, 256, warn=False)
+    assert picked.indexed_dot == entry.variant
+    monkeypatch.setenv("CCE_AUTOTUNE_NO_CONFIGS", "1")
+    dispatch.clear_cache()
+    picked = dispatch.select("h200", "bf16", 512, 32000, 256, warn=False)
+    assert picked.indexed_dot != entry.variant  # the built-in default
