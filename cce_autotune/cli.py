@@ -36,25 +36,25 @@ def _int_list(name: str):
         try:
             values = [int(x) for x in text.replace(" ", "").split(",") if x]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected comma-separated integers, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
         if not values or any(v <= 0 for v in values):
-            raise argparse.ArgumentTypeError(f"{name}: expected positive integers, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
         return values
 
     return parse
 
 
 def _positive(name: str, cast=int):
-    """argparse type: a positive int (or float, with ``cast=float``), errors naming the option."""
+    """argparse type: a positive int (or float, with ``cast=float``); argparse names the option."""
     what = "an integer" if cast is int else "a number"
 
     def parse(text: str):
         try:
             v = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected {what}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if not v > 0:
-            raise argparse.ArgumentTypeError(f"{name}: must be positive, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
         return v
 
     return parse
@@ -189,6 +189,11 @@ def _cmd_tune(args, out, err) -> int:
         data=args.data,
     )
     backend_name = args.backend or os.environ.get(ENV_BACKEND) or "gpu"
+    if gpu not in dispatch.alias_table().slugs:
+        smem = dispatch.smem_limit_for(gpu)
+        err.write(f"cce-tune: note: --gpu {args.gpu!r} (slug {gpu!r}) is no GPU the alias table knows; planning "
+                  f"with the default shared memory per block ({smem // 1024} KiB). A real run checks the "
+                  "detected GPU.\n")
     if args.dry_run:
         out.write(tune.describe_plan(plan, dispatch.smem_limit_for(gpu), workers) + "\n")
         return 0
@@ -390,8 +395,11 @@ def _cmd_render(args, out, err) -> int:
             raise _UsageError(f"knob {item!r}: expected name=value, e.g. block_b=64")
         knobs[name] = _knob_value(value)
     cls = KERNELS[args.kernel]
+    from .variant import KernelVariants
+
+    base = getattr(KernelVariants.defaults(elem_bytes=4 if args.dtype == "fp32" else 2), args.kernel)
     try:
-        variant = cls.from_dict({**cls().to_dict(), **knobs})
+        variant = cls.from_dict({**base.to_dict(), **knobs})
         variant.validate(elem_bytes=4 if args.dtype == "fp32" else 2, smem_limit=None)
     except (VariantError, TypeError) as exc:
         raise _UsageError(f"{args.kernel}: {exc}") from None

@@ -239,10 +239,36 @@ class ConfigFile:
         return {e.key: e for e in self.entries}
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a mapping with a repeated key (plain YAML keeps the last one
+    silently: a hand-merged file could lose an entry's knob without a word)."""
+
+
+def _unique_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            repeated = key in seen
+        except TypeError:
+            continue  # unhashable: construct_mapping reports it
+        if repeated:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_config(text: str, path: str | Path, expect_gpu: str | None = None) -> ConfigFile:
     """Parse and validate the text of a config file; errors name ``path``."""
     try:
-        data = yaml.safe_load(text)
+        data = _load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigDBError(path, f"not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -253,7 +279,7 @@ def parse_config(text: str, path: str | Path, expect_gpu: str | None = None) -> 
         raise ConfigDBError(
             path, f"schema_version {data['schema_version']!r} is not supported (this version reads {SCHEMA_VERSION})"
         )
-    unknown = sorted(set(data) - {"schema_version", "gpu", "entries", "cost_model"})
+    unknown = sorted(set(data) - {"schema_version", "gpu", "entries", "cost_model", "entry_count"})
     if unknown:
         raise ConfigDBError(path, f"unknown top-level key(s) {unknown}")
     gpu = data.get("gpu")
@@ -264,6 +290,11 @@ def parse_config(text: str, path: str | Path, expect_gpu: str | None = None) -> 
     raw = data.get("entries") or []
     if not isinstance(raw, list):
         raise ConfigDBError(path, "entries: expected a list")
+    count = data.get("entry_count")
+    if count is not None and count != len(raw):
+        # Written above the entries by every save: a file cut short (a failed copy) keeps it.
+        raise ConfigDBError(path, f"entry_count is {count!r} but the file holds {len(raw)} entries: "
+                                  "the file was cut short or edited; restore it or fix entry_count")
     entries: dict[EntryKey, Entry] = {}
     for i, item in enumerate(raw):
         try:
@@ -378,6 +409,7 @@ def _dump(gpu: str, entries: list, cost_model: dict | None = None) -> str:
     body = {"schema_version": SCHEMA_VERSION, "gpu": gpu}
     if cost_model:
         body["cost_model"] = dict(cost_model)
+    body["entry_count"] = len(entries)  # (lets a reader notice a file cut short at an entry boundary)
     body["entries"] = [e.to_dict() for e in entries]
     return _HEADER + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
 
@@ -478,7 +510,7 @@ class AliasTable:
 def _parse_aliases(path: Path) -> AliasTable:
     text = _read_text(path)
     try:
-        data = yaml.safe_load(text)
+        data = _load_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigDBError(path, f"not valid YAML: {exc}") from None
     if not isinstance(data, dict):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from typing import Any, Mapping
 
 import torch
@@ -37,8 +38,10 @@ def _check_tensors(e, c, targets, bias, token_weights, shift, impl):
         raise ValueError(f"c: hidden size D={c.shape[1]} does not match e's D={e.shape[-1]}")
     if c.shape[0] == 0 or c.shape[1] == 0:
         raise ValueError(f"c: empty classifier of shape {tuple(c.shape)}")
-    if e.dtype not in _DTYPES and not (impl == "torch" and e.dtype == torch.float64):
-        raise TypeError(f"e: dtype {e.dtype} not supported; use one of float32, bfloat16, float16")
+    torch_path = impl == "torch" or (impl == "auto" and e.device.type != "cuda")
+    if e.dtype not in _DTYPES and not (torch_path and e.dtype == torch.float64):
+        raise TypeError(f"e: dtype {e.dtype} not supported; use one of float32, bfloat16, float16 "
+                        "(float64 on the PyTorch path: CPU tensors or impl='torch')")
     if c.dtype != e.dtype and not (c.dtype == torch.float32 and e.dtype in (torch.bfloat16, torch.float16)):
         raise TypeError(
             f"c: dtype {c.dtype} does not go with e's dtype {e.dtype}: c must have e's dtype, or be float32 "
@@ -92,7 +95,8 @@ def _encode_options(ignore_index, softcap, reduction, shift, return_lse, label_s
     if impl not in _IMPLS:
         raise ValueError(f"impl: {impl!r} is not one of {list(_IMPLS)}")
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
+                or softcap <= 0:
             raise ValueError(f"softcap: expected a positive finite number or None, got {softcap!r}")
         softcap = float(softcap)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -110,7 +114,7 @@ def _encode_options(ignore_index, softcap, reduction, shift, return_lse, label_s
             try:
                 variants = KernelVariants.from_dict(variants)
             except (VariantError, TypeError) as exc:
-                raise ValueError(f"variants: {exc}") from exc
+                raise ValueError(f"variants: {str(exc).removeprefix('variants: ')}") from exc
         if not isinstance(variants, KernelVariants):
             raise TypeError(f"variants: expected KernelVariants, a dict of kernel variants or None, got "
                             f"{type(variants).__name__}")
@@ -199,6 +203,11 @@ def linear_cross_entropy(
     ``torch.compile(fullgraph=True)`` and runs on meta tensors (shapes only).
     """
     e = _autocast(e)
+    if isinstance(softcap, torch.Tensor):  # a 0-d tensor holding the cap (read once, on the host)
+        if softcap.numel() != 1 or not softcap.dtype.is_floating_point:
+            raise ValueError(f"softcap: expected a positive finite number or None, got a tensor of shape "
+                             f"{tuple(softcap.shape)} and dtype {softcap.dtype}")
+        softcap = float(softcap)
     if isinstance(variants, KernelVariants) and variants.json_text is not None:
         variants = variants.json_text
     _check_tensors(e, c, targets, bias, token_weights, shift, impl)

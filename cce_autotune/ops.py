@@ -161,7 +161,7 @@ def _resolve_variants(variants: dict | None, e, c, bias, softcap) -> KernelVaria
         kv = KernelVariants.from_dict(variants)
         kv.validate(elem_bytes=e.element_size(), smem_limit=None)
     except (VariantError, TypeError) as exc:
-        raise ValueError(f"variants: {exc}") from exc
+        raise ValueError(f"variants: {str(exc).removeprefix('variants: ')}") from exc
     return kv
 
 

@@ -1,6 +1,8 @@
 """Test set-up: kernels run on the CPU through Triton's interpreter unless a GPU is present."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -9,8 +11,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Keep rendered kernels and studies out of the user's home cache.
-os.environ.setdefault("CCE_AUTOTUNE_CACHE_DIR", tempfile.mkdtemp(prefix="cce_autotune_test_cache_"))
+# Keep rendered kernels and studies out of the user's home cache, in a folder removed at exit.
+if "CCE_AUTOTUNE_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="cce_autotune_test_cache_")
+    os.environ["CCE_AUTOTUNE_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 

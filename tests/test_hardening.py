@@ -179,3 +179,71 @@ def test_broken_lower_priority_config_is_skipped(isolated, monkeypatch):
     dispatch.clear_cache()
     picked = dispatch.select("h200", "bf16", 512, 32000, 256, warn=False)
     assert picked.indexed_dot != entry.variant  # the built-in default
+
+
+# 11. Smaller items.
+def test_float64_on_the_cpu_with_impl_auto():
+    e, c, t, _ = make_inputs((6,), 20, 16, torch.float64)
+    assert torch.equal(linear_cross_entropy(e, c, t), linear_cross_entropy(e, c, t, impl="torch"))
+
+
+def test_softcap_as_a_numpy_scalar_or_a_0d_tensor():
+    np = pytest.importorskip("numpy")
+    e, c, t, _ = make_inputs((6,), 20, 16, torch.float32)
+    ref = linear_cross_entropy(e, c, t, softcap=30.0)
+    for cap in (np.float32(30), torch.tensor(30.0)):
+        assert torch.equal(linear_cross_entropy(e, c, t, softcap=cap), ref)
+    with pytest.raises(ValueError, match="^softcap: "):
+        linear_cross_entropy(e, c, t, softcap=torch.ones(2))
+
+
+def test_error_prefixes_are_not_doubled(capsys):
+    e, c, t, _ = make_inputs((6,), 20, 16, torch.float32)
+    with pytest.raises(ValueError) as exc:
+        linear_cross_entropy(e, c, t, variants={"nonsense": {}})
+    assert str(exc.value).startswith("variants: ") and "variants: variants:" not in str(exc.value)
+    rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "0", "--dry-run")
+    assert rc == 2 and "--vocab: --vocab" not in err and "argument --vocab: expected positive integers" in err
+
+
+def test_duplicate_yaml_keys_and_cut_files_are_refused(isolated):
+    path = isolated["tmp"] / "h200.yaml"
+    db.save_entries(path, [make_entry(kernel="indexed_dot"), make_entry(kernel="backward")], gpu="h200")
+    text = path.read_text()
+    assert "entry_count: 2" in text
+    dup = text.replace("gpu: h200\n", "gpu: h200\ngpu: h200\n", 1)
+    with pytest.raises(db.ConfigDBError, match="duplicate key 'gpu'"):
+        db.parse_config(dup, path)
+    cut = text[: text.rindex("\n- ")]  # the last entry lost at an entry boundary
+    with pytest.raises(db.ConfigDBError, match="entry_count is 2 but the file holds 1"):
+        db.parse_config(cut, path)
+
+
+def test_unknown_gpu_in_a_dry_run_is_said(isolated, capsys):
+    rc, out, err = run_cli(capsys, "--gpu", "nonsense", "--vocab", "32000", "--hidden", "256", "--dry-run")
+    assert rc == 0 and "no GPU the alias table knows" in err
+
+
+def test_render_fp32_uses_the_fp32_defaults(capsys):
+    rc, out, _ = run_cli(capsys, "render", "backward", "--dtype", "fp32")
+    assert rc == 0 and "BLOCK_B=64" in out and "BLOCK_D=32" in out  # KernelVariants.defaults(elem_bytes=4)
+
+
+def test_license_file_matches_pyproject():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "LICENSE")) as f:
+        assert "Apache License" in f.read(200)
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        assert 'license = { text = "Apache-2.0" }' in f.read()
+
+
+def test_the_suite_removes_its_cache_folder(tmp_path):
+    (tmp_path / "test_x.py").write_text("def test_x():\n    assert True\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "CCE_AUTOTUNE_CACHE_DIR"}
+    env["TMPDIR"] = str(tmp_path)
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--confcutdir={tests}",
+                    "--rootdir", tests, "-c", os.devnull, str(tmp_path / "test_x.py"), "-o",
+                    f"pythonpath={tests}", "-p", "conftest"],
+                   env=env, cwd=tests, check=True, capture_output=True, timeout=240)
+    assert not list(tmp_path.glob("cce_autotune_test_cache_*"))
