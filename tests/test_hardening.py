@@ -247,3 +247,15 @@ def test_the_suite_removes_its_cache_folder(tmp_path):
                     f"pythonpath={tests}", "-p", "conftest"],
                    env=env, cwd=tests, check=True, capture_output=True, timeout=240)
     assert not list(tmp_path.glob("cce_autotune_test_cache_*"))
+
+
+def test_readme_yaml_example_is_the_shipped_entry():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    shipped = db.load_file(os.path.join(root, "tuned_configs", "h200.yaml"))
+    first = shipped.entries[0]
+    assert f"entry_count: {len(shipped.entries)}" in block
+    assert f"median: {first.timing_ms['median']!r}" in block and f"speedup: {round(first.speedup, 4)}" in block
+    assert f"template_hash: {first.template_hash}" in block
