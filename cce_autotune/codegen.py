@@ -43,6 +43,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Triton reads TRITON_INTERPRET when it is imported (its language functions are built for one mode);
+# a change afterwards cannot take effect and would fail deep inside Triton.
+_INTERPRET_AT_IMPORT = interpreting()
+
+
+def check_interpret_mode() -> None:
+    """Raise a clear error when ``TRITON_INTERPRET`` changed since Triton was imported."""
+    now = interpreting()
+    if now != _INTERPRET_AT_IMPORT:
+        raise RuntimeError(
+            f"TRITON_INTERPRET is {os.environ.get('TRITON_INTERPRET')!r} now but was "
+            f"{'set' if _INTERPRET_AT_IMPORT else 'unset'} when Triton was imported; Triton reads it only at "
+            "import: set it before importing cce_autotune (or triton), in a fresh process")
+
+
 @dataclass(frozen=True)
 class Flags:
     """Structural features of a call; each one is an ``{% if %}`` in the templates."""
@@ -153,6 +168,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def load_kernel(variant: _Variant, flags: Flags = Flags(), name: str | None = None):
     """Render (once), cache on disk (once) and import the kernel; returns the ``@triton.jit`` function
     (``variant.kernel_function``, or ``name`` for templates that hold several kernels)."""
+    check_interpret_mode()
     key = (variant, flags)
     mod = _modules.get(key)
     if mod is None:
@@ -178,6 +194,7 @@ def render_utility(template: str, **switches: bool) -> str:
 
 def load_utility(template: str, function: str, **switches: bool):
     """Render (once), cache and import a knob-free helper kernel; returns ``function`` from it."""
+    check_interpret_mode()
     key = (template, tuple(sorted(switches.items())))
     mod = _modules.get(key)
     if mod is None:

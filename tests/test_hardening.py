@@ -259,3 +259,12 @@ def test_readme_yaml_example_is_the_shipped_entry():
     assert f"entry_count: {len(shipped.entries)}" in block
     assert f"median: {first.timing_ms['median']!r}" in block and f"speedup: {round(first.speedup, 4)}" in block
     assert f"template_hash: {first.template_hash}" in block
+
+
+def test_changing_triton_interpret_after_import_is_explained(monkeypatch):
+    from cce_autotune import codegen
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if codegen._INTERPRET_AT_IMPORT else "1")
+    e, c, t, _ = make_inputs((5,), 40, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET .* when Triton was imported"):
+        codegen.load_kernel(SMALL.indexed_dot, codegen.Flags())
