@@ -185,6 +185,8 @@ def _methods(include_peers: bool) -> list[Method]:
         Method("cce_autotune_cold", lambda e, c, t: (vocab_order.clear(), linear_cross_entropy(e, c, t))[1]),
         Method("cce_autotune_default", lambda e, c, t: linear_cross_entropy(e, c, t, variants=default_variants(e.element_size()))),
         Method("cce_autotune_exact", lambda e, c, t: linear_cross_entropy(e, c, t, filter_eps=None)),
+        # The same gradient bits every run (chunked or fused backward, no float atomics).
+        Method("cce_autotune_deterministic", lambda e, c, t: linear_cross_entropy(e, c, t, deterministic=True)),
         # No memory budget: the planner may take the V x D fp32 scratch of the tile kernel, or large
         # logit blocks for the fused strategy (the speed that memory buys).
         Method("cce_autotune_unlimited", lambda e, c, t: linear_cross_entropy(e, c, t, max_extra_memory=None)),

@@ -217,7 +217,7 @@ def backward(
     e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap,
     filter_eps, variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None = None,
     live: torch.Tensor | None = None, chunks: list | None = None, targets: torch.Tensor | None = None,
-    dc_dtype: torch.dtype | None = None,
+    dc_dtype: torch.dtype | None = None, deterministic: bool = False,
 ):
     """dE (shape and dtype of ``e``), dC (of ``c``), dbias (of ``bias``, or None), as ``plan`` says
     (see :mod:`cce_autotune.planner`, which decides everything this function launches).
@@ -231,7 +231,8 @@ def backward(
     ``live`` the (row blocks, tiles) grid of live tiles at the variant's tiling
     (:func:`~cce_autotune.tile_map.live_grid`), ``targets`` the vocabulary index of each row's target
     and, for the chunked strategy, ``chunks[k]`` whether vocabulary chunk k holds a live tile.
-    ``dc_dtype``: dC's dtype when it is not c's (``c`` a converted copy of a wider classifier). Only live tiles are computed; the onehot term of a row whose target tile is dead is
+    ``dc_dtype``: dC's dtype when it is not c's (``c`` a converted copy of a wider classifier).
+    ``deterministic``: the plan is chunked (the planner's choice) and dbias is summed without atomics. Only live tiles are computed; the onehot term of a row whose target tile is dead is
     added outside the kernels.
     """
     if plan.use_map and (tile_map is None or live is None or filter_eps is None or targets is None
@@ -248,7 +249,8 @@ def backward(
         coef_out = torch.where(in_live, 0.0, coef_t)
     if plan.strategy == "chunked":
         return _backward_chunked(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
-                                 variant, plan, tile_map, live, chunks, dc_dtype=dc_dtype)
+                                 variant, plan, tile_map, live, chunks, dc_dtype=dc_dtype,
+                                 deterministic=deterministic)
     if plan.strategy == "sparse":
         return _backward_sparse(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
                                 softcap, variant, tile_ids(live, 1, swizzle=False), tile_map, dc_dtype=dc_dtype)
@@ -450,7 +452,7 @@ def _add_matmul_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
 
 def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
                       variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None, live, chunks,
-                      dc_dtype=None):
+                      dc_dtype=None, deterministic: bool = False):
     """The ``strategy="chunked"`` backward: for each vocabulary chunk of ``plan.chunk_v`` columns that
     holds a live tile (every chunk without a map), a kernel writes the gradient block g of every row
     (dead tiles as zeros, not recomputed) to a buffer that lines up with the rows of E, and cuBLAS
@@ -467,6 +469,9 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
     acc = torch.zeros((N, D), dtype=torch.float32, device=dev) if plan.de_fp32 else de2
     dc = torch.empty(c.shape, dtype=dc_dtype or c.dtype, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+    # Deterministic: the kernel's float atomics into dbias go to a scratch that is dropped; dbias is
+    # summed from each chunk's g instead.
+    dbias_k = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None and deterministic else dbias
     W = min(plan.chunk_v or variant.chunk_v, V)
     n_chunks = triton.cdiv(V, W)
     computed = [False] * n_chunks
@@ -490,7 +495,7 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
             kernel[grid](
                 e, c_arg, bias if bias is not None else c, rows.offsets, rows.de_offsets, target_pos, lse, coef_s,
                 coef_t, perm if perm is not None else target_pos, live if use_live else lse, g_buf,
-                dbias if dbias is not None else lse,
+                dbias_k if dbias_k is not None else lse,
                 n, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), g_buf.stride(0),
                 _softcap_arg(softcap), lo, w,
                 BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
@@ -507,11 +512,17 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
                 cols = perm[lo : lo + w].long()
                 _add_matmul(acc, g, c[cols] if chunk is None else chunk)
                 if dc.dtype == g.dtype:
-                    dc.index_copy_(0, cols, g.T @ e2)
+                    dc[cols] = g.T @ e2
                 else:
                     part = torch.empty((w, D), dtype=dc.dtype, device=dev)
                     _mm_fp32_out(g.T, e2, part)
-                    dc.index_copy_(0, cols, part)
+                    dc[cols] = part
+            if deterministic and dbias is not None:
+                part_b = g.sum(0, dtype=torch.float32)
+                if perm is None:
+                    dbias[lo : lo + w] += part_b
+                else:
+                    dbias[cols] += part_b
             computed[k] = True
     for k in range(n_chunks):
         if not computed[k]:
@@ -519,7 +530,7 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
             if perm is None:
                 dc[lo : lo + W].zero_()
             else:
-                dc.index_fill_(0, perm[lo : lo + W].long(), 0)
+                dc[perm[lo : lo + W].long()] = 0
     if coef_out is not None and n > 0:  # target terms of rows whose target tile is dead
         _add_target_terms(c, e2, rows, targets, coef_out, tile_map.zt, softcap, acc, dc, dbias)
     if plan.de_fp32:
@@ -543,7 +554,9 @@ def _add_target_terms(c, e2, rows: RowLayout, targets, coef_out, zt, softcap, ac
     """The onehot terms of the rows whose target tile was not launched, weight w = coef_out times the
     softcap derivative at the target logit (0 for the other rows, which add nothing):
     acc[row i] -= w_i c[t_i], dc[t_i] -= w_i e_i and dbias[t_i] -= w_i. Products in fp32, pieces of
-    ``chunk`` rows, each piece added to ``acc`` / ``dc`` once (acc, dc: fp32 or the input dtype)."""
+    ``chunk`` rows, each piece added to ``acc`` / ``dc`` once (acc, dc: fp32 or the input dtype).
+    Deterministic, without a host sync: every index_add_ / assignment meets distinct indices (rows of
+    a piece are distinct; equal targets are summed first, as segments of a sorted scan)."""
     D = e2.shape[1]
     w = _target_weight(coef_out, zt, softcap)
     row_idx = rows.row_index(D)
@@ -551,19 +564,31 @@ def _add_target_terms(c, e2, rows: RowLayout, targets, coef_out, zt, softcap, ac
         sl = slice(lo, lo + chunk)
         t, wk, r = targets[sl], w[sl, None], row_idx[sl]
         acc.index_add_(0, r, (c[t].to(e2.dtype).float() * -wk).to(acc.dtype))
-        # dC: the piece's rows summed per target in fp32, without a host sync: in target order, each
-        # run of equal targets is summed into its first row, and the other rows add exact zeros.
-        order = torch.argsort(t)
+        order = torch.argsort(t, stable=True)
         ts = t[order]
-        pos = torch.arange(ts.shape[0], device=ts.device)
-        start = torch.ones_like(ts, dtype=torch.bool)
-        start[1:] = ts[1:] != ts[:-1]
-        first = torch.cummax(torch.where(start, pos, 0), dim=0).values
-        part = torch.zeros((ts.shape[0], D), dtype=torch.float32, device=e2.device)
-        part.index_add_(0, first, e2[r[order]].float() * -wk[order])
-        dc.index_add_(0, ts, part.to(dc.dtype))
+        sums = _segment_sums(ts, e2[r[order]].float() * -wk[order])
+        dc.index_add_(0, ts, sums.to(dc.dtype))  # (rows past a run's last one add exact zeros)
     if dbias is not None:
-        dbias.index_add_(0, targets, -w)
+        order = torch.argsort(targets, stable=True)
+        ts = targets[order]
+        dbias.index_add_(0, ts, _segment_sums(ts, -w[order, None]).squeeze(1).to(dbias.dtype))
+
+
+def _segment_sums(keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """For sorted ``keys`` (m,) and ``vals`` (m, k): at the last row of each run of equal keys, the
+    run's sum of ``vals``; zeros elsewhere. A scan in fp64, not atomics: the same bits every run."""
+    if keys.numel() == 0:
+        return vals.clone()
+    v = vals.double()
+    cs = v.cumsum(0)
+    pos = torch.arange(keys.shape[0], device=keys.device)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    last = torch.ones_like(first)
+    last[:-1] = first[1:]
+    start = torch.cummax(torch.where(first, pos, 0), dim=0).values  # first row of each row's run
+    run_sum = cs - (cs[start] - v[start])  # the sum from the run's first row to this one
+    return torch.where(last[:, None], run_sum, 0.0).to(vals.dtype)
 
 
 _MM_FP32_OUT: list = []  # whether mm's out_dtype works here, found on the first CUDA call
@@ -635,7 +660,7 @@ def fused(e, c, bias, rows: RowLayout, targets, coef, softcap, variant: Backward
         if dense:
             torch.mm(g_blk, c, out=de2[r0:r1])
         else:
-            de2.index_copy_(0, row_idx[r0:r1], g_blk @ c)
+            de2[row_idx[r0:r1]] = g_blk @ c
         _add_matmul(dc, g_blk.T, e_blk)  # fp32 inside cuBLAS, one rounding per block of rows (none for fp32 dC)
         if dbias is not None:
             dbias += g_blk.sum(0, dtype=torch.float32)

@@ -87,7 +87,7 @@ def _assume_constant_result(fn):
 
 @_assume_constant_result
 def _encode_options(ignore_index, softcap, reduction, shift, return_lse, label_smoothing, z_loss, filter_eps, impl,
-                    variants, max_extra_memory) -> str:
+                    variants, max_extra_memory, deterministic=None) -> str:
     """Check the non-tensor arguments; the :class:`~cce_autotune.ops.Options` string the operators
     take (under torch.compile, evaluated once while tracing)."""
     if reduction not in _REDUCTIONS:
@@ -107,6 +107,8 @@ def _encode_options(ignore_index, softcap, reduction, shift, return_lse, label_s
         filter_eps = float(filter_eps)
     label_smoothing = _number("label_smoothing", label_smoothing, 0.0, 1.0, hi_open=False)
     z_loss = _number("z_loss", z_loss, 0.0, math.inf)
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected True, False or None, got {deterministic!r}")
     if isinstance(variants, str):  # KernelVariants.json_text
         variants = json.loads(variants)
     if variants is not None:
@@ -123,6 +125,7 @@ def _encode_options(ignore_index, softcap, reduction, shift, return_lse, label_s
         ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift, return_lse=bool(return_lse),
         label_smoothing=label_smoothing, z_loss=z_loss, filter_eps=filter_eps, impl=impl, variants=variants,
         max_extra_memory=planner.parse_bytes(max_extra_memory),
+        deterministic=torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic),
     ).encode()
 
 
@@ -156,6 +159,7 @@ def linear_cross_entropy(
     impl: str = "auto",
     variants: KernelVariants | Mapping[str, Any] | None = None,
     max_extra_memory: int | str | None = "auto",
+    deterministic: bool | None = None,
 ):
     """Cross-entropy of ``softcap(e @ c.T + bias)`` against ``targets``, without the logit matrix.
 
@@ -195,6 +199,10 @@ def linear_cross_entropy(
             plus an fp32 copy of dE),
             None (unlimited), a byte count or a size string ("2GiB"). The planner runs the fastest
             strategy that fits (:mod:`cce_autotune.planner`).
+        deterministic: the same gradient bits from run to run (the same calls in the same order): the
+            backward takes the chunked strategy (or the fused one), whose sums use no float atomics,
+            and the LSE's splits merge through a buffer. None (default): follow
+            ``torch.use_deterministic_algorithms``.
 
     Returns:
         The loss (fp32), or ``(loss, lse)`` when ``return_lse``.
@@ -212,7 +220,7 @@ def linear_cross_entropy(
         variants = variants.json_text
     _check_tensors(e, c, targets, bias, token_weights, shift, impl)
     options = _encode_options(ignore_index, softcap, reduction, shift, return_lse, label_smoothing, z_loss,
-                              filter_eps, impl, variants, max_extra_memory)
+                              filter_eps, impl, variants, max_extra_memory, deterministic)
     needs_grad = torch.is_grad_enabled() and (
         e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad))
     if token_weights is not None:
@@ -244,12 +252,13 @@ class LinearCrossEntropy(torch.nn.Module):
         impl: str = "auto",
         variants: KernelVariants | Mapping[str, Any] | None = None,
         max_extra_memory: int | str | None = "auto",
+        deterministic: bool | None = None,
     ):
         super().__init__()
         self.options = dict(
             ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
             label_smoothing=label_smoothing, z_loss=z_loss, return_lse=return_lse, filter_eps=filter_eps,
-            impl=impl, variants=variants, max_extra_memory=max_extra_memory,
+            impl=impl, variants=variants, max_extra_memory=max_extra_memory, deterministic=deterministic,
         )
 
     def forward(self, e, c, targets, bias=None, token_weights=None):

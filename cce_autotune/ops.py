@@ -51,6 +51,7 @@ class Options:
     impl: str = "auto"
     variants: Optional[dict] = None  # KernelVariants.to_dict(), or None for the dispatcher's
     max_extra_memory: Any = "auto"  # planner.parse_bytes value: "auto" | None | int
+    deterministic: bool = False  # the same gradient bits every run (no float atomics)
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -175,6 +176,12 @@ def prepare(e, c, targets, bias, token_weights, o: Options) -> _Problem:
         # A tuned entry's strategy was measured on the tuner's data; which strategy runs is the
         # planner's choice for each call, from the live share it measures and the memory budget.
         kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
+    if o.deterministic and impl == "triton":
+        # LSE splits merged through a buffer (not under locks in arrival order); the backward's
+        # strategy is the planner's deterministic one (chunked) or the forward's fused one.
+        kv = kv.replace(lse_forward=kv.lse_forward.replace(merge="buffer"))
+        if kv.backward.strategy not in ("auto", "chunked", "fused"):
+            kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
     dev = e.device
     D, V = e.shape[-1], c.shape[0]
     batch = tuple(e.shape[:-1])
@@ -398,7 +405,8 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
     ck = c if ck is None else ck
     prob = _planner_problem(e, c, bias, p, tmap)
     plan, live, chunks, pause = planner.decide(prob, bw, p.filter_eps, tmap, lse_v, o.max_extra_memory,
-                                               _gpu(e.device), fused_allowed=_fused_allowed(p, e, ck))
+                                               _gpu(e.device), fused_allowed=_fused_allowed(p, e, ck),
+                                               deterministic=o.deterministic)
     eps = p.filter_eps
     if pause:
         vocab_order.pause(c, planner.PAUSE_CALLS)
@@ -418,7 +426,7 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
     de, dc, dbias = kernels.backward(
         e, ck, bias, p.layout, target_pos, lse_v, coef_s, coef_t, perm,
         p.softcap, eps, bw, plan, tile_map=tmap if plan.use_map else None,
-        live=live, chunks=chunks, targets=p.targets, dc_dtype=c.dtype,
+        live=live, chunks=chunks, targets=p.targets, dc_dtype=c.dtype, deterministic=o.deterministic,
     )
     if coef_u is not None:
         csum = state.csum if state is not None and state.csum is not None else _column_sum(c)

@@ -302,14 +302,15 @@ def chunk_grid(live_grid, chunk_v: int, block_v: int):
 # -- the decision -----------------------------------------------------------------------------
 def plan_backward(p: Problem, variant, *, has_map: bool, live: float | None = None,
                   live_chunks: float | None = None, budget: int | None = None, costs: CostModel | None = None,
-                  exact: bool = False) -> BackwardPlan:
+                  exact: bool = False, deterministic: bool = False) -> BackwardPlan:
     """The plan for one backward.
 
     ``variant``: the call's :class:`~cce_autotune.variant.BackwardVariant` (block sizes, chunk_v, and
     its ``strategy``: "auto" lets the planner choose; another value is honoured when it fits the
     budget).  ``has_map``: the forward recorded a tile map; ``live``: the live-tile share it
     measured; ``live_chunks``: the chunked strategy's share of live chunks at the width
-    :func:`chunked_shape` gives for this budget (None: all live).
+    :func:`chunked_shape` gives for this budget (None: all live). ``deterministic``: only the
+    chunked strategy, whose sums involve no float atomics (the same bits every run).
     """
     costs = costs or COSTS["h200"]
     bb, bv = variant.block_b, variant.block_v
@@ -338,6 +339,8 @@ def plan_backward(p: Problem, variant, *, has_map: bool, live: float | None = No
         options["tiles"] = (tiles_cost, tiles_bytes(p, False, 0))
     if use_map and variant.accum == "fp32":
         options["sparse"] = (fixed + costs.sparse_per_live * L, sparse_bytes(p, bb, bv, n_live))
+    if deterministic:
+        options = {"chunked": options["chunked"]}
     fits = {k: v for k, v in options.items() if budget is None or v[1] <= budget}
     requested = variant.strategy
     if requested != "auto" and requested in fits:
@@ -345,6 +348,8 @@ def plan_backward(p: Problem, variant, *, has_map: bool, live: float | None = No
     elif fits:
         choice = min(fits, key=lambda k: fits[k][0])
         why = "fastest estimate" + (" within the memory budget" if len(fits) < len(options) else "")
+        if deterministic:
+            why = "deterministic: the strategy without float atomics"
         if requested != "auto":
             why += f" ({requested} " + ("cannot run for this call" if requested not in options else "exceeds the budget") + ")"
     else:
@@ -500,7 +505,7 @@ def unfiltered_cost(p: Problem, variant, budget: int | None, costs: CostModel, f
 
 
 def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="auto", gpu: str | None = None,
-           fused_allowed: bool = False):
+           fused_allowed: bool = False, deterministic: bool = False):
     """The plan of a call's backward, measured: ``(plan, live, chunks, pause)``.
 
     With the forward's ``tile_map`` (and filtering), the live grid is built on the device, the
@@ -530,12 +535,13 @@ def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="aut
         chunks = [bool(x) for x in host[1:]]
         chunk_share = sum(chunks) / max(1, len(chunks))
     plan = plan_backward(p, variant, has_map=tile_map is not None, live=share, live_chunks=chunk_share,
-                         budget=budget, costs=costs, exact=exact)
+                         budget=budget, costs=costs, exact=exact, deterministic=deterministic)
     pause = False
     if plan.use_map and variant.strategy == "auto":
         pause = costs.forward + plan.cost >= PAUSE_SHARE * unfiltered_cost(p, variant, budget, costs, fused_allowed)
         if pause:  # this call too: the map showed that filtering would save nothing, and cost accuracy
-            plan = plan_backward(p, variant, has_map=False, budget=budget, costs=costs, exact=True)
+            plan = plan_backward(p, variant, has_map=False, budget=budget, costs=costs, exact=True,
+                                 deterministic=deterministic)
             plan = replace(plan, reason=f"filtering cannot pay (live tiles {share:.1%}): exact; " + plan.reason)
     if not plan.use_map:
         live = chunks = None
