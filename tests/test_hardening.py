@@ -333,3 +333,27 @@ def test_deterministic_follows_torch_setting(device):
     finally:
         torch.use_deterministic_algorithms(previous)
     assert plans == ["chunked", "chunked"]
+
+
+def test_a_failing_studies_database_or_results_disk_mid_run_is_one_line(isolated, capsys, monkeypatch):
+    # A full studies disk during the run: one line and exit status 3, no traceback; a results file
+    # that cannot be written: said, and the plan goes on.
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    argv = ["--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512", "--trials", "3",
+            "--kernels", "indexed_dot"]
+
+    def full(*a, **k):
+        raise sqlalchemy.exc.OperationalError("INSERT INTO trials", {}, Exception("database or disk is full"))
+
+    real = tune.run_plan
+    monkeypatch.setattr(tune, "run_plan", full)
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 3 and "disk is full" in err and "Traceback" not in err
+    monkeypatch.setattr(tune, "run_plan", real)
+
+    def no_space(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(db, "save_entries", no_space)
+    rc, out, err = run_cli(capsys, *argv)
+    assert "could not save" in err and "No space left on device" in err and "Traceback" not in err
