@@ -110,7 +110,7 @@ def test_lookups_are_cached(isolated, monkeypatch):
     db.save_entries(isolated["config"] / "h200.yaml", [make_entry(block_b=64)])
     monkeypatch.setenv("CCE_AUTOTUNE_GPU", "h200")
     calls = {"load": 0, "yaml": 0}
-    real_load, real_yaml = db.load_file, db.yaml.safe_load
+    real_load, real_yaml = db.load_file, db._load_yaml
 
     def counting_load(*a, **k):
         calls["load"] += 1
@@ -121,7 +121,7 @@ def test_lookups_are_cached(isolated, monkeypatch):
         return real_yaml(*a, **k)
 
     monkeypatch.setattr(db, "load_file", counting_load)
-    monkeypatch.setattr(db.yaml, "safe_load", counting_yaml)
+    monkeypatch.setattr(db, "_load_yaml", counting_yaml)
     first, _ = _select()
     after_first = dict(calls)
     assert after_first["load"] == 1 and after_first["yaml"] >= 1

@@ -196,7 +196,10 @@ def test_two_workers_share_one_study(isolated):
     url = _url(isolated)
     log = isolated["tmp"] / "timed.jsonl"
     spec = tune.StudySpec("h200", "indexed_dot", SMALL, n_trials=16)
-    tune.run_workers(2, "fake", {"log_path": str(log), "fail_compile": None, "fail_resources": None}, url, [spec])
+    # (Each trial takes 0.4 s, so that both workers overlap even when one starts seconds late on a
+    # loaded machine.)
+    tune.run_workers(2, "fake", {"log_path": str(log), "fail_compile": None, "fail_resources": None,
+                                 "slow": [{}], "slow_s": 0.4}, url, [spec])
     trials = _trials(spec, url)
     measured = _measured(trials)
     assert 16 <= len(measured) <= 17  # the budget is shared (one extra only in a rare race)
