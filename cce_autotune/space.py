@@ -236,10 +236,24 @@ class SearchSpace:
         last_rule = max((i for i, cs in enumerate(at_depth) if cs), default=-1)
         tail = math.prod(len(self.knobs[n]) for n in order[last_rule + 1:])
         env: dict[str, Any] = dict(ctx.names())
+        # The count below depth i depends only on the values already set that the deeper rules
+        # read: memoised on those, the count is exact without visiting every point (the backward's
+        # 69 M points in a fraction of a second instead of a minute).
+        deeper: set = set()
+        keys: list[list[str]] = [[] for _ in order]
+        for i in reversed(range(len(order))):
+            for c in at_depth[i]:
+                deeper |= set(c.names)
+            keys[i] = [n for n in order[:i] + ["threads"] if n in deeper]
+        memo: dict = {}
 
         def rec(i: int) -> int:
             if i > last_rule:
                 return tail
+            key = (i, tuple(env.get(n) for n in keys[i]))
+            hit = memo.get(key)
+            if hit is not None:
+                return hit
             name = order[i]
             n = 0
             for value in self.knobs[name]:
@@ -248,6 +262,10 @@ class SearchSpace:
                     env["threads"] = 32 * value
                 if all(c.holds(env) for c in at_depth[i]):
                     n += rec(i + 1)
+            env.pop(name, None)
+            if name == "num_warps":
+                env.pop("threads", None)
+            memo[key] = n
             return n
 
         return total, rec(0)
