@@ -197,6 +197,9 @@ def _cmd_tune(args, out, err) -> int:
     if args.dry_run:
         out.write(tune.describe_plan(plan, dispatch.smem_limit_for(gpu), workers) + "\n")
         return 0
+    err.write(f"cce-tune: {len(plan.studies)} studies for {gpu}; starting the {backend_name} backend "
+              "(PyTorch, the device) ...\n")
+    err.flush()
     try:
         backend = tune.make_backend(backend_name)
     except tune.NoGPUError as exc:
