@@ -14,10 +14,9 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / denom)
 
 
-def torch_loss(e, c, targets, bias=None, *, softcap=None, reduction="mean", shift=0, ignore_index=-100,
-               compute_dtype=None, return_lse=False):
-    """Plain PyTorch: materialise the logits (in ``compute_dtype``, default the inputs'), then
-    F.cross_entropy in fp32/fp64. Used as the float64 oracle and as 'PyTorch in the same dtype'."""
+def materialised_logits(e, c, bias=None, softcap=None, compute_dtype=None):
+    """softcap(e @ c.T + bias) with the matmul in ``compute_dtype`` (default e's), returned in
+    fp32 (fp64 for an fp64 compute dtype)."""
     dt = compute_dtype or e.dtype
     z = e.to(dt) @ c.to(dt).T
     if bias is not None:
@@ -25,8 +24,15 @@ def torch_loss(e, c, targets, bias=None, *, softcap=None, reduction="mean", shif
     z = z.to(torch.float64 if dt == torch.float64 else torch.float32)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+def torch_loss(e, c, targets, bias=None, *, softcap=None, reduction="mean", shift=0, ignore_index=-100,
+               compute_dtype=None, return_lse=False):
+    """Plain PyTorch: materialise the logits (in ``compute_dtype``, default the inputs'), then
+    F.cross_entropy in fp32/fp64. Used as the float64 oracle and as 'PyTorch in the same dtype'."""
     T = e.shape[-2]
-    z = z.narrow(-2, 0, T - shift)
+    z = materialised_logits(e, c, bias, softcap, compute_dtype).narrow(-2, 0, T - shift)
     t = targets.narrow(-1, shift, T - shift)
     loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), t.reshape(-1), ignore_index=ignore_index, reduction=reduction)
     if reduction == "none":

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from cce_autotune import linear_cross_entropy
-from helpers import grads_of, make_inputs, rel_err
+from helpers import grads_of, make_inputs, materialised_logits, rel_err
 from test_loss import FLOOR, SMALL, assert_within, prime_order
 from test_tile_map import MAPPED
 from test_variants import filtered_bound
@@ -17,16 +17,10 @@ def terms_loss(e, c, t, b=None, *, softcap=None, reduction="mean", shift=0, labe
                z_loss=0.0, compute_dtype=None):
     """Plain PyTorch with the logits materialised (in ``compute_dtype``, default e's; an fp32
     classifier is first rounded to e's dtype, as autocast's matmul would)."""
-    dt = compute_dtype or e.dtype
     if c.dtype != e.dtype and c.dtype == torch.float32 and e.dtype in (torch.bfloat16, torch.float16):
         c = c.to(e.dtype)
-    z = e.to(dt) @ c.to(dt).T
-    if b is not None:
-        z = z + b.to(dt)
-    z = z.to(torch.float64 if dt == torch.float64 else torch.float32)
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
     T = e.shape[-2]
+    z = materialised_logits(e, c, b, softcap, compute_dtype)
     z = z.narrow(-2, 0, T - shift).reshape(-1, z.shape[-1])
     tt = t.narrow(-1, shift, T - shift).reshape(-1)
     row = F.cross_entropy(z, tt, ignore_index=-100, reduction="none", label_smoothing=label_smoothing)
