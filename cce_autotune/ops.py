@@ -218,11 +218,11 @@ def _row_layout(e, shape, rows) -> kernels.RowLayout:
 class _CallState:
     """What one forward leaves for its backward (see the module docstring)."""
 
-    def __init__(self, sort=False, tile_map=None, fused=None, zsum_csum=None):
+    def __init__(self, sort=False, tile_map=None, fused=None, csum=None):
         self.sort = sort
         self.tile_map = tile_map
         self.fused = fused  # (dE, dC, dbias) for a unit incoming gradient
-        self.csum = zsum_csum  # fp32 column sum of C (label smoothing), reused by the backward
+        self.csum = csum  # fp32 column sum of C (label smoothing), reused by the backward
 
 
 def _fused_allowed(p: _Problem, e, c) -> bool:
@@ -280,7 +280,8 @@ def _kernel_classifier(e, c):
     stay keyed by ``c`` itself."""
     if c.dtype == e.dtype:
         return c
-    return kernels.converted_classifier(c, e.dtype) if c.is_cuda or interpreting() else c
+    whole = kernels.converted_classifier(c, e.dtype) if c.is_cuda or interpreting() else None
+    return c if whole is None else whole
 
 
 def _forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool):
@@ -289,7 +290,6 @@ def _forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool):
     zsum = None
     if p.impl == "triton":
         ck = _kernel_classifier(e, c)
-        ck = c if ck is None else ck
         kv = p.variants
         bw = kv.backward
         sort = needs_grad and bw.sort_vocab and p.filter_eps is not None and p.n_rows > 0
@@ -402,7 +402,6 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         if bw.tile_map:
             vocab_order.remember(c, order)  # the next forward of this classifier walks it
     ck = _kernel_classifier(e, c)
-    ck = c if ck is None else ck
     prob = _planner_problem(e, c, bias, p, tmap)
     plan, live, chunks, pause = planner.decide(prob, bw, p.filter_eps, tmap, lse_v, o.max_extra_memory,
                                                _gpu(e.device), fused_allowed=_fused_allowed(p, e, ck),

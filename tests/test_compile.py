@@ -41,29 +41,29 @@ def _run(model, ids, weights, compiled):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+def assert_compiled_matches_eager(model, ids, weights, backend, tol):
+    """fullgraph=True with ``backend``: loss and every parameter's gradient within ``tol`` of eager."""
+    torch._dynamo.reset()
+    eager = _run(model, ids, weights, None)
+    comp = _run(model, ids, weights, backend)
+    assert rel_err(comp[0], eager[0]) < tol
+    for a, b in zip(comp[1], eager[1]):
+        assert rel_err(a, b) < tol
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_fullgraph_compile_matches_eager(impl, device):
     # aot_eager: Dynamo + AOTAutograd (fake tensors, the registered autograd) without code generation.
     ids, weights = _inputs(device, (2, 11), 1, weights=True)
     model = TinyLM(impl=impl, variants=SMALL if impl == "triton" else None, label_smoothing=0.1, z_loss=1e-3).to(device)
-    torch._dynamo.reset()
-    eager = _run(model, ids, weights, None)
-    comp = _run(model, ids, weights, "aot_eager")
-    assert rel_err(comp[0], eager[0]) < 1e-6
-    for a, b in zip(comp[1], eager[1]):
-        assert rel_err(a, b) < 1e-6
+    assert_compiled_matches_eager(model, ids, weights, "aot_eager", 1e-6)
 
 
 def test_fullgraph_inductor(device):
     # Inductor's code generation around the operators (C++ on the CPU, Triton on a GPU).
     ids, _ = _inputs(device, (2, 9), 3)
     model = TinyLM(variants=SMALL if device == "cuda" else None).to(device)
-    torch._dynamo.reset()
-    eager = _run(model, ids, None, None)
-    comp = _run(model, ids, None, "inductor")
-    assert rel_err(comp[0], eager[0]) < 1e-5
-    for a, b in zip(comp[1], eager[1]):
-        assert rel_err(a, b) < 1e-5
+    assert_compiled_matches_eager(model, ids, None, "inductor", 1e-5)
 
 
 def test_training_steps_do_not_recompile_and_keep_the_tile_map(device, monkeypatch):
