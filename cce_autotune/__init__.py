@@ -16,6 +16,9 @@ __all__ = [
     "LSEForwardVariant",
     "BackwardVariant",
     "VariantError",
+    "save_activations",
+    "load_activations",
+    "capture_activations",
 ]
 __version__ = "0.1.0"
 
@@ -27,6 +30,9 @@ _WHERE = {
     "LSEForwardVariant": "variant",
     "BackwardVariant": "variant",
     "VariantError": "variant",
+    "save_activations": "activations",
+    "load_activations": "activations",
+    "capture_activations": "activations",
 }
 
 

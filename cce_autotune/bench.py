@@ -17,7 +17,10 @@ Data: ``lm`` (``cce_autotune.data.lm_like``: Zipfian tokens, peaked softmax with
 entropy) is the main case; ``random`` (N(0,1)/D^¼ inputs, uniform targets) the second; ``real``
 (``cce_autotune.realdata``: hidden states and classifier of a small GPT trained for ``--train-steps``
 steps on the Python standard library's source, on held-out text) runs on its own heads ``gpt768``,
-``gpt2048``, ``gpt4096`` unless ``--shapes`` says otherwise.
+``gpt2048``, ``gpt4096`` unless ``--shapes`` says otherwise. An activation file saved from a real run
+(``--data acts.pt``; :mod:`cce_autotune.activations`) runs on its own head with all its rows (or the
+B of a ``--shapes`` B:V:D triple); every method times the plain loss (the file's bias and softcap are
+not applied, since the peers take neither).
 
 ``--train`` times the training call sequence instead: for each real head and each loss method, the
 same pretrained small GPT takes ``--loop-steps`` further AdamW steps (bf16 autocast, fp32 master
@@ -42,7 +45,7 @@ from typing import Callable
 import torch
 
 from . import realdata, reference, vocab_order
-from .data import DATA_KINDS, make_data
+from .data import DATA_KINDS, is_file_kind, load_file, make_data
 from .dispatch import default_variants
 from .loss import linear_cross_entropy
 
@@ -72,8 +75,12 @@ def parse_data(spec: str) -> list[str]:
     """The data kinds of a ``--data`` comma list; ValueError naming ``--data`` on an unknown one."""
     kinds = [k for k in spec.split(",") if k]
     for k in kinds:
-        if k not in DATA_KINDS:
-            raise ValueError(f"--data: {k!r} is not one of {list(DATA_KINDS)}")
+        if is_file_kind(k):
+            if not Path(k).is_file():
+                raise ValueError(f"--data: {k}: no such activation file")
+        elif k not in DATA_KINDS:
+            raise ValueError(f"--data: {k!r} is not one of {list(DATA_KINDS)} nor an activation file "
+                             "(cce_autotune.activations.save_activations)")
     if not kinds:
         raise ValueError("--data: empty list")
     return kinds
@@ -83,6 +90,10 @@ def resolve_shapes(spec: str | None, data: str) -> list[tuple[str, int, int, int
     """(name, B, V, D) of each entry of a ``--shapes`` comma list (names of SHAPES or B:V:D triples);
     ``None`` means the default shapes of data kind ``data``.  ValueError naming ``--shapes``."""
     shapes = []
+    if is_file_kind(data):  # an activation file: its own head, all its rows unless --shapes says B:V:D
+        acts = load_file(data)
+        if spec is None:
+            return [(Path(data).stem, acts.n, acts.V, acts.D)]
     for s in (DEFAULT_SHAPES[data] if spec is None else spec).split(","):
         if s in SHAPES:
             shapes.append((s, *SHAPES[s]))
@@ -435,7 +446,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="cce-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None,
                     help=f"comma list of {sorted(SHAPES)} or B:V:D triples (default per data kind: {DEFAULT_SHAPES})")
-    ap.add_argument("--data", default="lm,random", help=f"comma list of {', '.join(DATA_KINDS)}")
+    ap.add_argument("--data", default="lm,random",
+                    help=f"comma list of {', '.join(DATA_KINDS)} or activation files (.pt, written by "
+                         "cce_autotune.activations.save_activations / capture: their own head, all their rows)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--classifier", default="same", choices=["same", "fp32"],
                     help="fp32: a mixed-precision loop's fp32 classifier with --dtype e (PyTorch under autocast, "

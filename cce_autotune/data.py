@@ -16,11 +16,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 
-__all__ = ["DATA_KINDS", "lm_like", "random_data", "make_data", "mean_entropy"]
+__all__ = ["DATA_KINDS", "lm_like", "random_data", "make_data", "mean_entropy", "is_file_kind", "load_file"]
 
 DATA_KINDS = ("lm", "random", "real")
 
@@ -69,9 +71,36 @@ def random_data(B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed
     return e.to(dtype), c.to(dtype), t
 
 
+def is_file_kind(kind: str) -> bool:
+    """True when ``kind`` names an activation file rather than a generated kind."""
+    return kind not in DATA_KINDS and (kind.endswith(".pt") or os.path.sep in kind or os.path.isfile(kind))
+
+
+def load_file(path: str):
+    """The :class:`~cce_autotune.activations.Activations` of ``path`` (loaded once per file version)."""
+    from .activations import load_activations
+
+    st = os.stat(path) if os.path.isfile(path) else None
+    return _load_cached(os.path.abspath(path), st.st_mtime_ns if st else 0, st.st_size if st else 0, load_activations)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_cached(path, mtime, size, loader):
+    return loader(path)
+
+
 def make_data(kind: str, B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed: int = 0, **options):
-    """(e, c, targets) of kind ``lm``, ``random`` or ``real``; ``options`` go to that kind's generator
+    """(e, c, targets) of kind ``lm``, ``random`` or ``real``, or read from an activation file
+    (``kind`` is its path: :mod:`cce_autotune.activations`; V and D must be the file's, B rows are
+    its first B, repeated in order if it holds fewer); ``options`` go to that kind's generator
     (e.g. ``entropy`` for ``lm``, ``steps`` for ``real``)."""
+    if is_file_kind(kind):
+        from .activations import rows_for
+
+        acts = load_file(kind)
+        if (acts.V, acts.D) != (V, D):
+            raise ValueError(f"data: {kind} holds V={acts.V}, D={acts.D}, not the V={V}, D={D} asked for")
+        return rows_for(acts, B, dtype, device)[:3]
     if kind == "lm":
         return lm_like(B, V, D, dtype, device, seed, **options)
     if kind == "random":
@@ -80,4 +109,4 @@ def make_data(kind: str, B: int, V: int, D: int, dtype=torch.bfloat16, device="c
         from .realdata import real_data  # imported here: only this kind needs the corpus and the model
 
         return real_data(B, V, D, dtype, device, seed, **options)
-    raise ValueError(f"data: {kind!r} is not one of {list(DATA_KINDS)}")
+    raise ValueError(f"data: {kind!r} is not one of {list(DATA_KINDS)} nor an activation file")

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import ops, planner
+from . import activations, ops, planner
 from .variant import KernelVariants, VariantError
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
@@ -219,6 +219,8 @@ def linear_cross_entropy(
     if isinstance(variants, KernelVariants) and variants.json_text is not None:
         variants = variants.json_text
     _check_tensors(e, c, targets, bias, token_weights, shift, impl)
+    if activations._active:  # a capture() block is open: save what this call sees (eager only)
+        activations.record(e, c, targets, bias, softcap, ignore_index, shift)
     options = _encode_options(ignore_index, softcap, reduction, shift, return_lse, label_smoothing, z_loss,
                               filter_eps, impl, variants, max_extra_memory, deterministic)
     needs_grad = torch.is_grad_enabled() and (
