@@ -1,13 +1,16 @@
 """``cce-tune``: tune kernels for this GPU, show the database, render a variant's source.
 
-    cce-tune --gpu h200 --vocab 256128 [--hidden 2304,3584] [--tokens 4096,8192,16384] [--dtype bf16]
+    cce-tune --gpu h200 --vocab 256128 [--hidden 2304,3584] [--heads V:D,...] [--data lm|real|FILE]
+             [--tokens 4096,8192,16384] [--dtype bf16] [--no-calibrate]
              [--kernels all] [--trials N] [--budget-minutes M] [--out DIR] [--dry-run]
              [--max-grad-error 1e-2] [--storage URL] [--workers N] [--seed S]
     cce-tune show [--gpu h200] [--vocab V --hidden D --tokens B --dtype bf16 [--bias] [--softcap]]
     cce-tune render backward block_b=64 filter_eps=none [--dtype bf16] [--hidden D] [--bias] [--softcap]
+    cce-tune report [--gpu h200] [--storage URL] [--out DIR] [--configs FILE]
+    cce-tune merge FILE [FILE ...] --out OUT.yaml
 
 Argument parsing only: the work is done by :mod:`cce_autotune.tune`, :mod:`cce_autotune.db`,
-:mod:`cce_autotune.dispatch` and :mod:`cce_autotune.codegen`.
+:mod:`cce_autotune.dispatch`, :mod:`cce_autotune.codegen` and :mod:`cce_autotune.report`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from .variant import KERNELS, VariantError
 __all__ = ["main", "build_parsers", "ENV_BACKEND"]
 
 ENV_BACKEND = "CCE_AUTOTUNE_BACKEND"  # "fake": run the whole loop on the CPU cost model (tests)
-_COMMANDS = ("tune", "show", "render", "explain")
+_COMMANDS = ("tune", "show", "render", "explain", "report", "merge")
 
 
 class _UsageError(Exception):
@@ -78,6 +81,19 @@ def _kernel_list(text: str) -> list[str]:
     return values
 
 
+def _head_list(text: str) -> list[tuple[int, int]]:
+    heads = []
+    for item in text.replace(" ", "").split(","):
+        try:
+            V, D = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected V:D pairs such as 128256:4096, got {item!r}") from None
+        if V <= 0 or D <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive sizes, got {item!r}")
+        heads.append((V, D))
+    return heads
+
+
 def _shape_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--vocab", type=_int_list("--vocab"), required=required, metavar="V[,V...]",
                    help="vocabulary size(s)")
@@ -94,16 +110,21 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     tune = argparse.ArgumentParser(
         prog="cce-tune",
         description="Tune the Cut Cross-Entropy kernels for this GPU and shapes; winners go to <out>/<gpu>.yaml. "
-        "Other commands: `cce-tune show --help`, `cce-tune explain --help`, `cce-tune render --help`.",
+        "Other commands: `cce-tune show --help`, `cce-tune explain --help`, `cce-tune render --help`, "
+        "`cce-tune report --help`, `cce-tune merge --help`.",
     )
     tune.add_argument("--gpu", required=True, help="GPU slug or device name (must match the detected GPU), e.g. h200")
-    _shape_args(tune, required=True)
+    _shape_args(tune, required=False)  # (--vocab, unless --data FILE gives it)
+    tune.add_argument("--heads", type=_head_list, default=[], metavar="V:D[,V:D...]",
+                      help="heads to tune as vocabulary:hidden pairs (with or instead of --vocab/--hidden), "
+                      "e.g. 128256:4096,32768:4096")
     tune.add_argument("--kernels", type=_kernel_list, default=list(KERNELS),
                       help=f"comma-separated among {', '.join(KERNELS)}, or all (default)")
     tune.add_argument("--trials", type=_positive("--trials"), default=50, metavar="N",
                       help="measured trials per study (default 50); a study resumes up to this count")
     tune.add_argument("--budget-minutes", type=_positive("--budget-minutes", float), metavar="M",
-                      help="wall-clock budget for the whole run, shared evenly by the studies")
+                      help="wall-clock budget for the whole run, shared by the studies by weight (the backward "
+                      "most); default: 8 GPU-minutes per head (V, D, dtype, flags) divided by --workers")
     tune.add_argument("--out", type=Path, metavar="DIR",
                       help="where <gpu>.yaml is written (default: the user cache's tuned_configs/)")
     tune.add_argument("--dry-run", action="store_true", help="print the plan and exit (needs no GPU)")
@@ -116,10 +137,15 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     tune.add_argument("--workers", type=_positive("--workers"), default=1, metavar="N",
                       help="worker processes, one per local GPU, sharing the studies (default 1)")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
-    tune.add_argument("--data", choices=("lm", "real"), default="lm",
-                      help="data the variants are checked and timed on: lm (LM-like, synthetic; default) or real "
+    tune.add_argument("--data", default="lm", metavar="lm|real|FILE",
+                      help="data the variants are checked and timed on: lm (LM-like, synthetic; default), real "
                       "(hidden states of a small GPT trained on the Python standard library, trained once per "
-                      "shape and cached, as cce-bench --data real)")
+                      "shape and cached, as cce-bench --data real), or FILE: activations saved from your own "
+                      "training step (cce_autotune.save_activations / capture_activations); its V and D are the "
+                      "head tuned (--vocab/--hidden may be left out), its softcap and bias set --softcap/--bias")
+    tune.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                      help="first measure the planner's cost coefficients on this GPU (about a minute per head, "
+                      "two heads at most) and save them in the results file's cost_model section (default: on)")
     tune.add_argument("--trial-time-limit", type=_positive("--trial-time-limit", float), default=120.0, metavar="S",
                       help="seconds one trial may take before it is recorded as failed (default 120)")
     tune.add_argument("--top-k", type=_positive("--top-k"), default=3, metavar="K",
@@ -156,7 +182,32 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
                          help="live-tile shares to plan for, in (0, 1] (default 0.05,0.25,0.5,1)")
     explain.add_argument("--max-extra-memory", default="auto", metavar="SIZE",
                          help="the memory budget: auto (default), none, a byte count or e.g. 2GiB")
-    return {"tune": tune, "show": show, "render": render, "explain": explain}
+    report = argparse.ArgumentParser(
+        prog="cce-tune report",
+        description="Report on a GPU's tuning studies: a PNG per study (trial history, best so far, failed / "
+        "gated / ruled-out trials, the default's time; knob importances), and Markdown tables on stdout "
+        "(also <out>/report.md) of the studies, the knob importances and the winners against the defaults. "
+        "Plots need matplotlib: pip install 'cce-autotune[report]'.",
+    )
+    report.add_argument("--gpu", help="GPU slug or device name (default: $CCE_AUTOTUNE_GPU or the detected GPU)")
+    report.add_argument("--storage", metavar="URL",
+                        help="Optuna storage holding the studies (default: the sqlite file cce-tune uses)")
+    report.add_argument("--out", type=Path, metavar="DIR",
+                        help="where the PNGs and report.md go (default: ./cce-report-<gpu>)")
+    report.add_argument("--configs", type=Path, metavar="FILE",
+                        help="tuned-config file with the winners (default: <gpu>.yaml in the folders "
+                        "`cce-tune show` lists, the first holding a key wins, as at run time)")
+    merge = argparse.ArgumentParser(
+        prog="cce-tune merge",
+        description="Combine tuned-config files of one GPU into one: per key the entry tuned on the kernel's "
+        "current template wins, then the faster (the rule of every save). Files of another GPU or schema "
+        "version are refused (exit 2). The cost_model section is taken from the last file listed that has one.",
+    )
+    merge.add_argument("files", nargs="+", type=Path, metavar="FILE", help="tuned-config files (<gpu>.yaml)")
+    merge.add_argument("--out", type=Path, required=True, metavar="OUT.yaml",
+                       help="the merged file, written atomically; if it exists it is an input too, merged "
+                       "first (or at its place when also listed as a FILE)")
+    return {"tune": tune, "show": show, "render": render, "explain": explain, "report": report, "merge": merge}
 
 
 def _share_list(text: str) -> list[float]:
@@ -182,12 +233,15 @@ def _cmd_tune(args, out, err) -> int:
 
     trials, workers, top_k = args.trials, args.workers, args.top_k
     gpu = dispatch.resolve_gpu(args.gpu)
+    data = _tuning_data(args)
     plan = tune.make_plan(
-        gpu, args.vocab, args.hidden, args.tokens, args.dtype, args.kernels,
-        flag_sets=[(args.bias, args.softcap)], trials=trials,
+        gpu, data["vocab"] or [], data["hidden"], args.tokens, args.dtype, args.kernels,
+        flag_sets=[(data["bias"], data["softcap"])], trials=trials,
         gate=tune.Gate(args.max_grad_error, args.max_value_error), budget_minutes=args.budget_minutes,
-        data=args.data,
+        data=args.data, data_id=data["data_id"], softcap=data["softcap_value"], workers=workers,
+        heads=args.heads,
     )
+    plan.notes.extend(data["notes"])
     backend_name = args.backend or os.environ.get(ENV_BACKEND) or "gpu"
     if gpu not in dispatch.alias_table().slugs:
         smem = dispatch.smem_limit_for(gpu)
@@ -229,6 +283,15 @@ def _cmd_tune(args, out, err) -> int:
     out.write(f"studies: {storage}\nresults: {target}\n")
     out.flush()
 
+    def save_costs(section) -> None:
+        try:
+            db.save_entries(target, [], gpu=gpu, cost_model=section)
+        except OSError as exc:
+            err.write(f"cce-tune: could not save the cost model to {target}: {exc.strerror or exc}\n")
+            return
+        out.write(f"saved the planner's cost model -> {target}\n")
+        out.flush()
+
     def save(entry) -> None:
         try:
             report = db.save_entries(target, [entry], gpu=gpu)
@@ -243,6 +306,7 @@ def _cmd_tune(args, out, err) -> int:
         entries = tune.run_plan(
             plan, backend, storage, backend_name=backend_name, workers=workers, seed=args.seed,
             trial_time_limit=args.trial_time_limit, top_k=top_k, on_result=save, progress=err,
+            calibrate=args.calibrate and "backward" in args.kernels, on_costs=save_costs,
         )
     except KeyboardInterrupt:
         err.write("\ncce-tune: interrupted; run the same command again to resume\n")
@@ -258,6 +322,39 @@ def _cmd_tune(args, out, err) -> int:
     dispatch.clear_cache()
     out.write(f"done: {len(entries)} of {len(plan.studies)} studies produced a winner\n")
     return 0 if entries or not plan.studies else 1
+
+
+def _tuning_data(args) -> dict:
+    """The head(s) and flags to tune from the arguments, or from ``--data FILE`` (whose V, D, softcap
+    and bias decide them; given --vocab/--hidden must agree)."""
+    from .tune import DATA_KINDS
+
+    found = dict(vocab=args.vocab, hidden=args.hidden, bias=args.bias, softcap=args.softcap, softcap_value=30.0,
+                 data_id="", notes=[])
+    if args.data in DATA_KINDS:
+        if not args.vocab and not args.heads:
+            raise _UsageError("--vocab: required (or --heads V:D, or --data FILE, whose vocabulary is tuned)")
+        return found
+    if not Path(args.data).is_file():
+        raise _UsageError(f"--data: {args.data!r} is neither lm, real nor an activation file")
+    from .data import load_file
+
+    try:
+        acts = load_file(args.data)
+    except ValueError as exc:
+        raise _UsageError(f"--data: {exc}") from None
+    for name, given, own in (("--vocab", args.vocab, acts.V), ("--hidden", args.hidden, acts.D)):
+        if given and list(given) != [own]:
+            raise _UsageError(f"{name}: {given} differs from {args.data}'s {own}; leave it out")
+    found.update(vocab=[acts.V], hidden=[acts.D], bias=args.bias or acts.bias is not None,
+                 softcap=args.softcap or acts.softcap is not None, data_id=acts.digest[:16])
+    if acts.softcap is not None:
+        found["softcap_value"] = acts.softcap
+    found["notes"].append(f"--data {args.data}: {acts.n} captured rows, V={acts.V}, D={acts.D}"
+                          + (f", softcap {acts.softcap:g}" if acts.softcap is not None else "")
+                          + (", bias" if acts.bias is not None else "")
+                          + f" (sha256 {acts.digest[:16]}); token buckets above {acts.n} repeat its rows")
+    return found
 
 
 def _check_out(target: Path) -> str | None:
@@ -368,6 +465,32 @@ def _cmd_explain(args, out, err) -> int:
     return 0
 
 
+# -- report, merge -----------------------------------------------------------------------------
+def _cmd_report(args, out, err) -> int:
+    from . import dispatch, report
+
+    gpu = dispatch.resolve_gpu(args.gpu) if args.gpu else dispatch.gpu_slug()
+    return report.run(gpu, storage=args.storage, out_dir=args.out, configs=args.configs, out=out, err=err)
+
+
+def _cmd_merge(args, out, err) -> int:
+    from . import db
+
+    try:
+        result = db.merge_files(args.files, args.out)
+    except db.ConfigDBError as exc:
+        err.write(f"cce-tune merge: refused: {exc}; nothing written\n")
+        return 2
+    except OSError as exc:
+        err.write(f"cce-tune merge: cannot write {args.out}: {exc.strerror or exc}\n")
+        return 1
+    out.write(result.describe() + "\n")
+    if args.out.stem != result.gpu:
+        out.write(f"note: the runtime reads {result.gpu}.yaml; rename {args.out.name} to use it\n")
+    out.write(f"wrote {args.out}: {len(result.entries)} entries\n")
+    return 0
+
+
 # -- render ------------------------------------------------------------------------------------
 def _knob_value(text: str):
     low = text.lower()
@@ -430,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
-    handler = {"tune": _cmd_tune, "show": _cmd_show, "render": _cmd_render, "explain": _cmd_explain}[command]
+    handler = {"tune": _cmd_tune, "show": _cmd_show, "render": _cmd_render, "explain": _cmd_explain,
+               "report": _cmd_report, "merge": _cmd_merge}[command]
     try:
         return handler(args, sys.stdout, sys.stderr)
     except KeyboardInterrupt:  # (a run's own handler says how to resume)

@@ -62,6 +62,8 @@ __all__ = [
     "parse_config",
     "merge_entries",
     "save_entries",
+    "FilesMerge",
+    "merge_files",
     "AliasTable",
     "load_aliases",
     "slugify",
@@ -158,6 +160,7 @@ class Entry:
     versions: dict = field(default_factory=dict)  # {torch, triton, cce_autotune}
     device_name: str = ""
     trials: int = 0
+    data: dict | None = None  # what it was tuned on: {kind: lm | real} or {kind: file, name, sha256}
 
     @property
     def median_ms(self) -> float:
@@ -182,6 +185,7 @@ class Entry:
             "versions": {str(k): str(v) for k, v in self.versions.items()},
             "template_hash": self.template_hash,
             "tuned_on": self.tuned_on,
+            **({"data": dict(self.data)} if self.data else {}),
         }
 
     @classmethod
@@ -189,7 +193,7 @@ class Entry:
         if not isinstance(data, Mapping):
             raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
         required = ("key", "variant", "timing_ms", "default_ms", "template_hash", "tuned_on")
-        optional = ("speedup", "trials", "device_name", "versions")
+        optional = ("speedup", "trials", "device_name", "versions", "data")
         missing = [n for n in required if n not in data]
         if missing:
             raise ValueError(f"{where}: missing {missing}")
@@ -219,12 +223,16 @@ class Entry:
         device_name = data.get("device_name", "") or ""
         if not isinstance(device_name, str):
             raise ValueError(f"{where}.device_name: expected a string")
+        record = data.get("data")
+        if record is not None and not (isinstance(record, Mapping) and isinstance(record.get("kind"), str)
+                                       and all(isinstance(v, (str, int, float)) for v in record.values())):
+            raise ValueError(f"{where}.data: expected a mapping with a 'kind' (lm, real or file) and plain values")
         return cls(
             key=key, variant=variant,
             timing_ms=_timing(data["timing_ms"], f"{where}.timing_ms"),
             default_ms=_timing(data["default_ms"], f"{where}.default_ms") if data["default_ms"] is not None else None,
             template_hash=data["template_hash"], tuned_on=data["tuned_on"], versions=dict(versions),
-            device_name=device_name, trials=trials,
+            device_name=device_name, trials=trials, data=dict(record) if record is not None else None,
         )
 
 
@@ -445,11 +453,16 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def save_entries(path: str | Path, entries: Iterable[Entry], gpu: str | None = None) -> MergeReport:
+_KEEP = object()
+
+
+def save_entries(path: str | Path, entries: Iterable[Entry], gpu: str | None = None,
+                 cost_model: Any = _KEEP) -> MergeReport:
     """Merge ``entries`` into the file at ``path`` (created if absent) under an exclusive lock.
 
     ``gpu`` defaults to the file name's stem. A stored file that does not load is never overwritten:
-    :class:`ConfigDBError` names it.
+    :class:`ConfigDBError` names it. The stored ``cost_model`` is kept unless ``cost_model`` is given
+    (a mapping, or None for none).
     """
     path = Path(path)
     gpu = gpu or path.stem
@@ -457,8 +470,99 @@ def save_entries(path: str | Path, entries: Iterable[Entry], gpu: str | None = N
     with _locked(path):
         stored = load_file(path, expect_gpu=gpu) if path.exists() else None
         merged, report = merge_entries(stored.entries if stored else [], entries)
-        _write_atomic(path, _dump(gpu, merged, stored.cost_model if stored else None))
+        if cost_model is _KEEP:
+            cost_model = stored.cost_model if stored else None
+        _write_atomic(path, _dump(gpu, merged, cost_model))
     return report
+
+
+@dataclass
+class FilesMerge:
+    """What :func:`merge_files` did: the result and where each part of it came from."""
+
+    gpu: str
+    out: Path
+    inputs: list  # paths, in merge order (``out`` among them when it existed)
+    entries: list  # the merged entries
+    sources: dict  # key -> the path its entry in the result came from
+    totals: dict  # path -> entries that file holds
+    conflicts: list  # (key, [(path, entry), ...] in merge order, winner path, reason)
+    cost_model: dict | None = None
+    cost_model_from: Path | None = None
+    cost_model_differs: list = field(default_factory=list)  # paths whose cost_model was not taken
+
+    def describe(self) -> str:
+        names = {p: str(p) + (" (the existing output)" if p == self.out else "") for p in self.inputs}
+        lines = [f"merging {len(self.inputs)} file(s) for GPU {self.gpu!r} into {self.out}:"]
+        for p in self.inputs:
+            kept = sum(1 for src in self.sources.values() if src == p)
+            lines.append(f"  {names[p]}: {self.totals[p]} entries, {kept} in the result")
+        if self.conflicts:
+            lines.append(f"{len(self.conflicts)} key(s) in several files (current template wins, then the faster):")
+        for key, contenders, winner, reason in self.conflicts:
+            each = ", ".join(f"{p} {e.median_ms:.4g} ms ({'current' if _is_current(e) else 'stale'} template)"
+                             for p, e in contenders)
+            lines.append(f"  {key.describe()}: {each} -> {winner} ({reason})")
+        if self.cost_model_differs:
+            lines.append(f"cost_model: the files disagree; taking {self.cost_model_from}'s (the last file with one) "
+                         f"over that of {', '.join(map(str, self.cost_model_differs))}")
+        elif self.cost_model_from is not None:
+            lines.append(f"cost_model: from {self.cost_model_from}")
+        return "\n".join(lines)
+
+
+def merge_files(paths: Iterable[str | Path], out: str | Path) -> FilesMerge:
+    """Merge tuned-config files of one GPU into ``out`` with :func:`merge_entries`' rule (an existing
+    ``out`` is an input too, merged first unless listed) and write it atomically. ``cost_model``: the
+    last input (in order) that has one. Raises :class:`ConfigDBError` naming the file that does not load
+    or is for another GPU than the first (nothing is written then)."""
+    out = Path(out)
+    inputs: list = []
+    for p in ([out] if out.exists() else []) + [Path(p) for p in paths]:
+        if not any(p.resolve() == q.resolve() for q in inputs):
+            inputs.append(p)
+        elif p.resolve() == out.resolve() and out in inputs:  # out listed: merge it at its place in the list
+            inputs.remove(out)
+            inputs.append(p)
+    files = [load_file(p) for p in inputs]
+    first = files[0]
+    for f in files[1:]:
+        if f.gpu != first.gpu:
+            raise ConfigDBError(f.path, f"GPU {f.gpu!r}, but {first.path} is for {first.gpu!r}: "
+                                        "merge files of one GPU only")
+    merged: list = []
+    sources: dict = {}
+    seen: dict = {}  # key -> [(path, entry)] of distinct entries
+    for f in files:
+        merged, report = merge_entries(merged, f.entries)
+        for key in report.added + report.replaced:
+            sources[key] = f.path
+        for e in f.entries:
+            contenders = seen.setdefault(e.key, [])
+            if all(e != other for _, other in contenders):
+                contenders.append((f.path, e))
+    by_key = {e.key: e for e in merged}
+    conflicts = []
+    for key, contenders in seen.items():
+        if len(contenders) < 2:
+            continue
+        win = by_key[key]
+        losers = [e for _, e in contenders if e is not win]
+        if _is_current(win) and any(not _is_current(e) for e in losers):
+            reason = "tuned on the current template"
+        elif any(e.median_ms <= win.median_ms for e in losers):
+            reason = "as fast; the one merged first stays"
+        else:
+            reason = "faster"
+        conflicts.append((key, contenders, sources[key], reason))
+    conflicts.sort(key=lambda c: c[0])
+    models = [(f.path, f.cost_model) for f in files if f.cost_model]
+    model_from, cost_model = models[-1] if models else (None, None)
+    differs = [p for p, m in models if m != cost_model]
+    save_entries(out, merged, gpu=first.gpu, cost_model=cost_model)
+    return FilesMerge(gpu=first.gpu, out=out, inputs=[f.path for f in files], entries=merged, sources=sources,
+                      totals={f.path: len(f.entries) for f in files}, conflicts=conflicts,
+                      cost_model=cost_model, cost_model_from=model_from, cost_model_differs=differs)
 
 
 # -- GPU names -> slugs --------------------------------------------------------------------------

@@ -57,6 +57,7 @@ __all__ = [
     "chunk_grid",
     "chunked_shape",
     "report",
+    "set_cost_model",
 ]
 
 ENV_MAX_EXTRA = "CCE_AUTOTUNE_MAX_EXTRA_MEMORY"
@@ -102,9 +103,24 @@ class CostModel:
 COSTS: dict[str, CostModel] = {"h200": CostModel()}
 
 
+_overrides: dict[str, CostModel] = {}
+
+
+def set_cost_model(gpu: str, costs: CostModel | None) -> None:
+    """Use ``costs`` for GPU slug ``gpu`` in this process, over any file (None: stop). The tuner sets
+    the coefficients it has just measured, before its studies run."""
+    if costs is None:
+        _overrides.pop(gpu, None)
+    else:
+        _overrides[gpu] = costs
+
+
 def cost_model(gpu: str | None) -> CostModel:
-    """The coefficients for GPU slug ``gpu``: its tuned-config file's ``cost_model`` section over the
-    built-in defaults, else the built-in ones (the H200's for an unknown GPU or the CPU)."""
+    """The coefficients for GPU slug ``gpu``: those :func:`set_cost_model` set in this process, else
+    its tuned-config file's ``cost_model`` section over the built-in defaults, else the built-in ones
+    (the H200's for an unknown GPU or the CPU)."""
+    if gpu in _overrides:
+        return _overrides[gpu]
     base = COSTS.get(gpu or "", COSTS["h200"])
     if not gpu or gpu == "cpu":
         return base
@@ -373,11 +389,14 @@ def plan_backward(p: Problem, variant, *, has_map: bool, live: float | None = No
 # -- printing plans ---------------------------------------------------------------------------
 _seen_lock = threading.Lock()
 _seen: set = set()
+last_plan: tuple | None = None  # (BackwardPlan, Problem) of the latest plan made (cce_autotune.calibrate reads it)
 
 
 def report(plan: BackwardPlan, p: Problem) -> None:
     """Print the plan to stderr when ``$CCE_AUTOTUNE_EXPLAIN`` is set: every new (shape, strategy,
     shape of groups) once, or every plan with ``$CCE_AUTOTUNE_EXPLAIN=all``."""
+    global last_plan
+    last_plan = (plan, p)
     mode = os.environ.get(ENV_EXPLAIN, "").strip().lower()
     if mode in ("", "0", "false", "no"):
         return

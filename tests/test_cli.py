@@ -133,3 +133,34 @@ def test_usage_errors_name_the_argument(capsys, argv, message):
     rc, _, err = run(capsys, *argv)
     assert rc == 2
     assert message in err
+
+
+def test_tune_on_an_activation_file_measures_the_costs_first(isolated, capsys, monkeypatch):
+    from cce_autotune import activations, tune
+
+    g = torch.Generator().manual_seed(0)
+    path = activations.save_activations(isolated["tmp"] / "acts.pt", torch.randn(40, 32, generator=g),
+                                        torch.randn(300, 32, generator=g), torch.randint(0, 300, (40,), generator=g),
+                                        softcap=20.0)
+    digest = activations.load_activations(path).digest[:16]
+    out_dir = isolated["tmp"] / "out"
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    rc, out, err = run(capsys, "--gpu", "h200", "--data", str(path), "--tokens", "256", "--trials", "4",
+                       "--kernels", "lse_forward,backward", "--out", str(out_dir))
+    assert rc == 0, err
+    assert "V=300, D=32, softcap 20" in out and "done: 2 of 2" in out
+    assert "calibration:" in err and "saved the planner's cost model" in out
+    stored = db.load_file(out_dir / "h200.yaml", expect_gpu="h200")
+    assert {(e.key.V, e.key.D, e.key.has_softcap) for e in stored.entries} == {(300, 32, True)}
+    assert all(e.data == {"kind": "file", "name": "acts.pt", "sha256": digest} for e in stored.entries)
+    # the coefficients the fake GPU follows, recovered by the calibration and saved for the dispatcher
+    # (at this tiny head the chunked strategy is bound by its launches: recompute and products are
+    # not informed and keep the defaults)
+    for name in ("forward", "tiles_per_live", "sparse_per_live"):
+        assert stored.cost_model[name] == pytest.approx(tune.FakeBackend.TRUE_COSTS[name], rel=0.05), name
+    assert "fitted by cce-tune on NVIDIA H200" in stored.cost_model["note"]
+
+    rc, _, err = run(capsys, "--gpu", "h200", "--data", str(path), "--vocab", "512", "--dry-run")
+    assert rc == 2 and "--vocab: [512] differs" in err
+    rc, _, err = run(capsys, "--gpu", "h200", "--data", str(isolated["tmp"] / "none.pt"), "--dry-run")
+    assert rc == 2 and "--data" in err

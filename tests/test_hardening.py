@@ -61,7 +61,7 @@ def test_storage_creation_retries_a_lost_race(isolated, monkeypatch):
             raise sqlalchemy.exc.IntegrityError("INSERT INTO alembic_version", {}, Exception("UNIQUE constraint failed"))
         return real(url)
 
-    monkeypatch.setattr(tune, "_open_storage", racing)
+    monkeypatch.setattr(tune.study, "_open_storage", racing)  # where make_storage looks it up
     storage = tune.make_storage(f"sqlite:///{isolated['tmp'] / 'race.db'}")
     assert len(calls) == 2 and isinstance(storage, optuna.storages.RDBStorage)
 

@@ -1,0 +1,50 @@
+"""The planner's cost coefficients: the fit recovers a known model from times it would predict."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from cce_autotune import calibrate, planner
+
+
+def _measurement(true, B, V, D, live, live_chunks):
+    m = calibrate.synthetic(true, B, V, D, live, live_chunks)
+    assert [s.name for s in m.samples] == ["forward"] + [n for n, _, _ in calibrate.STRATEGIES]
+    assert all(s.plan.strategy == strategy for s, (_, strategy, _) in zip(m.samples[1:], calibrate.STRATEGIES))
+    return m
+
+
+def test_fit_recovers_the_coefficients_that_made_the_times():
+    true = replace(planner.CostModel(), forward=1.6, tiles_per_live=5.5, sparse_per_live=12.0, recompute=0.9,
+                   products=2.6, flops_per_byte=240.0)
+    ms = [_measurement(true, 8192, 256128, 2304, 0.12, 0.5), _measurement(true, 8192, 50257, 768, 0.45, 0.9)]
+    got, notes = calibrate.fit(ms, base=planner.CostModel())
+    for name in calibrate.FITTED:
+        assert math.isclose(getattr(got, name), getattr(true, name), rel_tol=0.03), (name, got, true)
+    assert math.isclose(got.flops_per_byte, 240.0, rel_tol=0.01)
+    assert math.isclose(got.matmul_tflops, true.matmul_tflops, rel_tol=0.01)
+    assert len(notes) == 2 and "estimate vs measured" in notes[0]
+    section = calibrate.to_section(got, "NVIDIA H200", ms)
+    assert section["tiles_per_live"] == got.tiles_per_live and "NVIDIA H200" in section["note"]
+
+
+def test_fit_keeps_what_no_sample_informs_and_refuses_nothing_to_fit():
+    true = replace(planner.CostModel(), tiles_per_live=4.0)
+    m = _measurement(true, 4096, 32768, 4096, 0.3, 0.7)
+    m = replace(m, samples=tuple(s for s in m.samples if s.name in ("forward", "tiles")))
+    got, notes = calibrate.fit([m], base=planner.CostModel())
+    assert got.sparse_per_live == planner.CostModel().sparse_per_live
+    assert any("no sample informs" in n and "sparse_per_live" in n for n in notes)
+    with pytest.raises(ValueError, match="measurements"):
+        calibrate.fit([])
+
+
+def test_set_cost_model_overrides_the_file_in_process():
+    mine = replace(planner.CostModel(), tiles_per_live=3.25)
+    planner.set_cost_model("h200", mine)
+    try:
+        assert planner.cost_model("h200") is mine
+    finally:
+        planner.set_cost_model("h200", None)
+    assert planner.cost_model("h200").tiles_per_live != 3.25 or planner.CostModel().tiles_per_live == 3.25
