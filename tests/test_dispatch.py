@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest_tune import isolated, make_entry  # noqa: F401
 
-from cce_autotune import db, dispatch
+from cce_autotune import codegen, db, dispatch
 from cce_autotune.variant import KernelVariants
 
 
@@ -189,7 +189,17 @@ def test_packaged_h200_configs_load_and_are_used():
     dispatch.clear_cache()
     f = db.load_file(paths.resource_dir("tuned_configs") / "h200.yaml", expect_gpu="h200")
     keys = {(k.kernel, k.V, k.D) for k in f.by_key()}
-    assert ("backward", 32768, 4096) in keys and ("lse_forward", 256128, 2304) in keys
+    assert ("backward", 32768, 4096) in keys and ("lse_forward", 256000, 2304) in keys
+    # What ships: at least ten heads, softcapped ones, three token buckets at three heads or more,
+    # every entry on the current templates with what it was tuned on, and the fitted cost model.
+    heads = {(k.V, k.D) for k in f.by_key()}
+    buckets = {}
+    for k in f.by_key():
+        buckets.setdefault((k.V, k.D), set()).add(k.B)
+    assert len(heads) >= 10 and any(k.has_softcap for k in f.by_key())
+    assert sum(1 for b in buckets.values() if {2048, 8192, 32768} <= b) >= 3
+    assert all(e.template_hash == codegen.template_hash(e.key.kernel) and e.data for e in f.entries)
+    assert "fitted by cce-tune" in f.cost_model["note"]
     why = dispatch.explain("h200", "bf16", 8192, 32768, 4096, smem_limit=232448)
     assert "exact match" in str(why) and "h200.yaml" in str(why)
     dispatch.clear_cache()

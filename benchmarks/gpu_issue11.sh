@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 11 on the two-GPU H200 host (kind nvidia-h200-x2), in three runs of one warm machine:
+#   PHASE=a  the default plan of one head per GPU (two single-GPU cce-tune runs side by side, real data,
+#            three token buckets each, cost calibration first, default budget);
+#   PHASE=b  eight more heads at B=8192 with --workers 2 (calibrated on its first two heads);
+#   PHASE=c  Gemma 2's softcapped heads and Qwen 2.5 0.5B's other buckets, then `cce-tune merge` of all
+#            results and the benchmark of the merged configs against the built-in defaults on real data;
+#   PHASE=d  (one GPU) the merged entries with the fitted and with the hand-set cost model, and none.
+# State lives in /tmp/persist between the runs; each run packs it under $OUT. Carry .whl (optuna & deps).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc CCE_AUTOTUNE_DATA_DIR=/tmp/real
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+P=/tmp/persist; mkdir -p $P
+tune() { local name=$1 limit=$2; shift 2; local t0=$(date +%s)
+  timeout "$limit" python3 -m cce_autotune.cli --gpu h200 --out $P/$name --storage sqlite:///$P/$name.db "$@" > $P/$name.log 2>&1
+  echo "rc $? wall $(( $(date +%s) - t0 )) s" >> $P/$name.log; }
+summary() { for f in "$@"; do echo "== $f"; grep -E "^calibration|winner|no variant|^done|^rc |Traceback|Error" $P/$f.log | tail -40; done; }
+case "${PHASE:-a}" in
+a)
+  nvidia-smi -L
+  CUDA_VISIBLE_DEVICES=0 tune gpt2 ${LIMIT:-545} --vocab 50257 --hidden 768 --tokens 2048,8192,32768 --data real &
+  CUDA_VISIBLE_DEVICES=1 tune llama1b ${LIMIT:-545} --vocab 128256 --hidden 2048 --tokens 2048,8192,32768 --data real &
+  wait
+  summary gpt2 llama1b
+  tar czf $OUT/phase_a.tgz -C $P . ;;
+b)
+  tune heads8 ${LIMIT:-555} --heads 128256:4096,32768:4096,128256:3072,32064:3072,151936:896,152064:3584,262144:1152,262208:2560 \
+       --tokens 8192 --kernels lse_forward,backward --workers 2 --budget-minutes ${BUDGET:-8.3}
+  summary heads8
+  tar czf $OUT/phase_b.tgz -C $P --exclude='gpt2.db' --exclude='llama1b.db' --exclude='*.pt' . ;;
+c)
+  export CCE_AUTOTUNE_CONFIG_DIR=$P/heads8  # its calibrated cost model (these runs do not calibrate)
+  tune gemma2 165 --heads 256000:2304,256000:3584 --softcap --tokens 8192 --kernels lse_forward,backward --workers 2 \
+       --budget-minutes 2.4 --no-calibrate
+  tune qwen05 150 --heads 151936:896 --tokens 2048,32768 --kernels lse_forward,backward --workers 2 --budget-minutes 2.2 --no-calibrate
+  mkdir -p $P/merged
+  python3 -m cce_autotune.cli merge $P/gpt2/h200.yaml $P/llama1b/h200.yaml $P/gemma2/h200.yaml $P/qwen05/h200.yaml \
+       $P/heads8/h200.yaml --out $P/merged/h200.yaml > $P/merge.log 2>&1; tail -5 $P/merge.log
+  export CCE_AUTOTUNE_CONFIG_DIR=$P/merged
+  timeout 150 python3 -m cce_autotune.bench --data real --shapes 8192:50257:768,8192:128256:2048 --no-peers \
+       --methods torch,cce_autotune,cce_autotune_default,cce_autotune_exact --reps 60 --out $P/bench --tag tuned > $P/bench_tuned.log 2>&1
+  CCE_AUTOTUNE_NO_CONFIGS=1 timeout 60 python3 -m cce_autotune.bench --data real --shapes 8192:50257:768,8192:128256:2048 \
+       --no-peers --methods cce_autotune --reps 60 --out $P/bench --tag noconfigs > $P/bench_noconfigs.log 2>&1
+  summary gemma2 qwen05
+  grep -E "fw\+bw|fw " $P/bench_tuned.log $P/bench_noconfigs.log
+  tar czf $OUT/phase_c.tgz -C $P --exclude='*.pt' --exclude='gpt2.db' --exclude='llama1b.db' --exclude='heads8.db' . ;;
+d)  # the merged configs with the fitted cost model (cal) or the hand-set one (hand), and no configs at all
+  # (built-in knobs and cost model), on real data; carry .cfgrun (the two candidate files) too
+  S=8192:50257:768,8192:128256:2048,8192:128256:4096
+  CCE_AUTOTUNE_CONFIG_DIR=$PWD/.cfgrun/cal CCE_AUTOTUNE_EXPLAIN=1 timeout 150 python3 -m cce_autotune.bench --data real --shapes $S \
+       --no-peers --methods torch,cce_autotune --reps 200 --out $OUT --tag cal > $OUT/cal.txt 2>&1
+  CCE_AUTOTUNE_CONFIG_DIR=$PWD/.cfgrun/hand CCE_AUTOTUNE_EXPLAIN=1 timeout 80 python3 -m cce_autotune.bench --data real --shapes $S \
+       --no-peers --methods cce_autotune --reps 200 --out $OUT --tag hand > $OUT/hand.txt 2>&1
+  CCE_AUTOTUNE_NO_CONFIGS=1 CCE_AUTOTUNE_EXPLAIN=1 timeout 80 python3 -m cce_autotune.bench --data real --shapes $S \
+       --no-peers --methods cce_autotune --reps 200 --out $OUT --tag none > $OUT/none.txt 2>&1
+  rm -f $OUT/*.png; grep -hE "fw\+bw|fw  " $OUT/cal.txt $OUT/hand.txt $OUT/none.txt | grep "ms " ;;
+esac
