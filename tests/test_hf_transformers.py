@@ -359,3 +359,20 @@ def test_import_needs_no_transformers():
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_capture_activations_from_a_patched_training_step(tmp_path):
+    # What cce-tune --data FILE tunes on, captured from a real (tiny) training step.
+    from cce_autotune import activations
+
+    model, _ = patched_pair("gemma2")
+    model.train()
+    ids, labels = batch()
+    with cce_autotune.capture_activations(tmp_path / "acts.pt") as rec:
+        loss = model(input_ids=ids, labels=labels).loss
+    acts = activations.load_activations(rec.saved[0])
+    assert acts.n == int((labels[:, 1:] != -100).sum())  # shifted, the ignored positions dropped
+    assert acts.V == model.config.vocab_size and acts.softcap == model.config.final_logit_softcapping
+    assert torch.equal(acts.c, model.lm_head.weight.detach())
+    again = cce_autotune.linear_cross_entropy(acts.e, acts.c, acts.targets, softcap=acts.softcap)
+    assert torch.allclose(again, loss.detach(), rtol=1e-5)

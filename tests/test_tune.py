@@ -313,3 +313,31 @@ def test_gpu_backend_times_the_training_call_sequence_and_checks_fixed_inputs(mo
     assert leaves[1].data_ptr() == c.data_ptr()
     fn()
     assert torch.equal(c, fixed) and leaves[1].grad is not None
+
+
+def test_plan_time_is_shared_by_weight_after_the_final_retiming():
+    specs = [tune.StudySpec("h200", k, SMALL) for k in ("backward", "lse_forward", "indexed_dot")]
+    deadline = time.time() + 100.0
+    first = tune._study_timeout(deadline, specs)
+    reserve = sum(tune.FINALIZE_S[s.kernel] for s in specs)
+    share = tune.WEIGHT["backward"] / sum(tune.WEIGHT[s.kernel] for s in specs)
+    assert first == pytest.approx((100.0 - reserve) * share, abs=0.5)
+    assert tune._study_timeout(deadline, specs[1:] + specs[:1]) < first  # a lighter kernel gets less
+    # two workers share the re-timing: more time for trials
+    assert tune._study_timeout(deadline, specs, workers=2) > first
+
+
+def test_a_study_starts_from_the_winner_of_the_neighbouring_bucket(isolated):
+    url = _url(isolated)
+    a = tune.StudySpec("h200", "indexed_dot", SMALL, n_trials=8)
+    b = tune.StudySpec("h200", "indexed_dot", tune.Problem(B=1024, V=32000, D=256), n_trials=3)
+    backend = tune.FakeBackend(fail_compile=None, fail_resources=None)
+    tune.run_study(a, backend, url)
+    done = [t for t in _trials(a, url) if t.state == TrialState.COMPLETE]
+    best = tune.load_space("indexed_dot").variant(min(done, key=lambda t: t.value).params)
+    storage = tune.make_storage(url)
+    assert tune.sibling_best(b, [a, b], storage) == [best]
+    assert tune.sibling_best(a, [a], storage) == []  # no other bucket
+    tune.run_study(b, backend, url, warm_start=tune.sibling_best(b, [a, b], storage))
+    warm = [t for t in _trials(b, url) if t.user_attrs.get("proposed") == "warm start"]
+    assert len(warm) == 1 and tune.load_space("indexed_dot").variant(warm[0].params) == best
