@@ -80,7 +80,7 @@ class GPUBackend(Backend):
     Data: the problem's ``data`` (:func:`cce_autotune.data.make_data`: LM-like, or hidden states of a
     small model trained on real text) generated on the device.
     Correctness: against the PyTorch path (``impl="torch"``, ``filter_eps=None``) on float32 copies of
-    the same inputs. Timing: ``triton.testing.do_bench`` (warm-up, L2 flushed before every repetition,
+    the same inputs; the backward's worst of a first call and the steady-state call after it. Timing: ``triton.testing.do_bench`` (warm-up, L2 flushed before every repetition,
     quantiles 0.5 / 0.2 / 0.8). indexed_dot and lse_forward time their kernel; backward times the
     forward + backward of the whole loss in the call sequence of training (the classifier updated
     between calls, so the planner measures and decides as in a training step).
@@ -246,14 +246,25 @@ class GPUBackend(Backend):
         if kernel == "lse_forward":
             return {"lse": _rel_err(out[0], self._reference("ref_lse", problem))}
         ref = self._reference("ref_grads", problem)
-        errors = {
-            "loss": _rel_err(out.detach(), ref["loss"]),
-            "dE": _rel_err(leaves[0].grad, ref["dE"]),
-            "dC": _rel_err(leaves[1].grad, ref["dC"]),
-        }
-        if ref["dbias"] is not None:
-            errors["dbias"] = _rel_err(leaves[2].grad, ref["dbias"])
-        return errors
+        worst: dict = {}
+        # The worst of two calls: a classifier's first call has no tile map yet; the next one launches
+        # from the map and filters as every later call of training does (its error is the one that
+        # matters, and it can be several times the first's on real data).
+        for call in range(2):
+            if call:
+                for x in leaves:
+                    x.grad = None
+                out = fn()
+                torch.cuda.synchronize()
+            errors = {
+                "loss": _rel_err(out.detach(), ref["loss"]),
+                "dE": _rel_err(leaves[0].grad, ref["dE"]),
+                "dC": _rel_err(leaves[1].grad, ref["dC"]),
+            }
+            if ref["dbias"] is not None:
+                errors["dbias"] = _rel_err(leaves[2].grad, ref["dbias"])
+            worst = {k: max(worst.get(k, 0.0), v) for k, v in errors.items()}
+        return worst
 
     def time(self, kernel: str, variants: KernelVariants, problem: Problem) -> dict:
         import triton.testing
