@@ -5,7 +5,8 @@
 #   PHASE=b  eight more heads at B=8192 with --workers 2 (calibrated on its first two heads);
 #   PHASE=c  Gemma 2's softcapped heads and Qwen 2.5 0.5B's other buckets, then `cce-tune merge` of all
 #            results and the benchmark of the merged configs against the built-in defaults on real data;
-#   PHASE=d  (one GPU) the merged entries with the fitted and with the hand-set cost model, and none.
+#   PHASE=d  (one GPU) the merged entries with the fitted and with the hand-set cost model, and none;
+#   PHASE=e  (one GPU) --data FILE end to end (after the fixes of the closing note).
 # State lives in /tmp/persist between the runs; each run packs it under $OUT. Carry .whl (optuna & deps).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc CCE_AUTOTUNE_DATA_DIR=/tmp/real
@@ -55,4 +56,12 @@ d)  # the merged configs with the fitted cost model (cal) or the hand-set one (h
   CCE_AUTOTUNE_NO_CONFIGS=1 CCE_AUTOTUNE_EXPLAIN=1 timeout 80 python3 -m cce_autotune.bench --data real --shapes $S \
        --no-peers --methods cce_autotune --reps 200 --out $OUT --tag none > $OUT/none.txt 2>&1
   rm -f $OUT/*.png; grep -hE "fw\+bw|fw  " $OUT/cal.txt $OUT/hand.txt $OUT/none.txt | grep "ms " ;;
+e)  # (one GPU) the --data FILE path end to end: activations saved from real data, calibration on them, a study
+  python3 -c "
+import torch; from cce_autotune.data import make_data; from cce_autotune import save_activations
+e, c, t = make_data('real', 4096, 50257, 768, dtype=torch.bfloat16, device='cuda')
+print(save_activations('/tmp/acts.pt', e, c, t, note='gpt2 real'))" 2>&1 | tail -2
+  timeout 110 python3 -m cce_autotune.cli --gpu h200 --data /tmp/acts.pt --tokens 4096 --kernels backward --trials 4 \
+       --budget-minutes 1.2 --out $OUT --storage sqlite:////tmp/s.db 2>&1 | grep -vE "^\[.*trials" | tail -25
+  grep -A3 "data:" $OUT/h200.yaml | head -8 ;;
 esac
