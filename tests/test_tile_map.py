@@ -148,8 +148,10 @@ def test_second_call_walks_the_remembered_order_and_matches_the_first(device, mo
 @pytest.mark.parametrize("strategy, walk", [("tiles", "sorted"), ("tiles", "random"), ("tiles", None),
                                             ("sparse", "sorted"), ("sparse", "random"), ("sparse", None),
                                             ("chunked", "sorted"), ("chunked", "random")])
-@pytest.mark.parametrize("eps", [2.0**-12, 2.0**-5, 0.9])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# bf16 at every filter; fp32 at the middle one (its map and bounds are the same code at another
+# element size: the whole grid in both dtypes took four minutes of the CPU suite's fifteen)
+@pytest.mark.parametrize("eps, dtype", [(2.0**-12, torch.bfloat16), (2.0**-5, torch.bfloat16), (0.9, torch.bfloat16),
+                                        (2.0**-5, torch.float32)], ids=str)
 def test_mapped_backward_matches_the_oracle(strategy, walk, eps, dtype, device):
     # Odd shapes, ignored rows, shift, bias, softcap; a stale (random) order is slow, never wrong;
     # without an order (walk=None: a first call) there is no map (the planner runs "sparse" as the
