@@ -21,18 +21,18 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-import os
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .paths import save_torch_atomic
+
 __all__ = ["save_activations", "load_activations", "capture", "capture_activations", "Activations", "rows_for", "FORMAT"]
 
 FORMAT = "cce-autotune-activations/1"
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,6 @@ class Activations:
     @property
     def D(self) -> int:
         return int(self.c.shape[1])
-
-    @property
-    def dtype(self) -> str:
-        return _DTYPES[self.e.dtype]
 
     def describe(self) -> dict:
         """What an entry tuned on this file records about it."""
@@ -135,15 +131,7 @@ def save_activations(path, e: torch.Tensor, c: torch.Tensor, targets: torch.Tens
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(body, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    save_torch_atomic(body, path)
     return path
 
 

@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from . import realdata, reference, vocab_order
-from .data import DATA_KINDS, is_file_kind, load_file, make_data
+from .data import DATA_KINDS, TORCH_DTYPES, is_file_kind, load_file, make_data
 from .dispatch import default_variants
 from .loss import linear_cross_entropy
 
@@ -485,7 +485,7 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     methods = _methods(not args.no_peers)
     if args.train:  # ours after casting the master weight to the compute dtype (see run_train)
         methods.append(Method("cce_autotune_cast", lambda e, c, t: linear_cross_entropy(e, c, t)))

@@ -12,8 +12,9 @@ classifier moves a little before every call):
   and a device copy (-> ``flops_per_byte``, the matmul rate over the memory bandwidth);
 - the forward alone, and forward + backward with the strategy forced to ``tiles``, ``sparse``,
   ``chunked`` (with the tile map), ``chunked`` and ``tiles`` exact (no filtering) and ``fused``,
-  without a memory budget (so that each forced strategy runs); each with the plan the planner made for it (:data:`cce_autotune.planner.last_plan`: the live
-  shares, windows, chunk width and memory budget it saw).
+  without a memory budget (so that each forced strategy runs); each with the plan the planner made
+  for it (:data:`cce_autotune.planner.last_plan`: the live shares, windows, chunk width and memory
+  budget it saw).
 
 :func:`fit` then finds the coefficients ``forward``, ``tiles_per_live``, ``sparse_per_live``,
 ``recompute`` and ``products`` whose estimates (the planner's own formulas, re-evaluated on each
@@ -194,12 +195,11 @@ def measure(B: int, V: int, D: int, *, data: str = "lm", dtype: str = "bf16", se
     import torch
     import triton.testing
 
-    from .data import make_data
+    from .data import TORCH_DTYPES, make_data
     from .dispatch import default_variants
     from .loss import linear_cross_entropy
 
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    e, c, t = make_data(data, B, V, D, dtype=dt, device="cuda", seed=seed)
+    e, c, t = make_data(data, B, V, D, dtype=TORCH_DTYPES[dtype], device="cuda", seed=seed)
     bench = lambda fn, **kw: float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, **kw))  # noqa: E731
     # The unit: a cuBLAS matmul of the shape with the vocabulary padded to a multiple of 128 (an odd V
     # such as GPT-2's 50,257 makes cuBLAS take a path 7x slower, which the kernels never take).
@@ -224,8 +224,7 @@ def measure(B: int, V: int, D: int, *, data: str = "lm", dtype: str = "bf16", se
         sign[0] = -sign[0]
 
     samples = []
-    kv = defaults
-    fw = lambda: (step(), linear_cross_entropy(ee, cc, t, variants=kv))  # noqa: E731
+    fw = lambda: (step(), linear_cross_entropy(ee, cc, t, variants=defaults))  # noqa: E731
     fw()  # a first call (records the classifier's order)
     samples.append(Sample("forward", bench(fw)))
     for name, strategy, exact in STRATEGIES:

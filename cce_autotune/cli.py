@@ -144,7 +144,7 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
                       "training step (cce_autotune.save_activations / capture_activations); its V and D are the "
                       "head tuned (--vocab/--hidden may be left out), its softcap and bias set --softcap/--bias")
     tune.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
-                      help="first measure the planner's cost coefficients on this GPU (about a minute per head, "
+                      help="first measure the planner's cost coefficients on this GPU (15-40 s per head on an H200, "
                       "two heads at most) and save them in the results file's cost_model section (default: on)")
     tune.add_argument("--trial-time-limit", type=_positive("--trial-time-limit", float), default=120.0, metavar="S",
                       help="seconds one trial may take before it is recorded as failed (default 120)")

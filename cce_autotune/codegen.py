@@ -169,19 +169,20 @@ def load_kernel(variant: _Variant, flags: Flags = Flags(), name: str | None = No
     """Render (once), cache on disk (once) and import the kernel; returns the ``@triton.jit`` function
     (``variant.kernel_function``, or ``name`` for templates that hold several kernels)."""
     check_interpret_mode()
-    key = (variant, flags)
+    mod = _cached_module((variant, flags), lambda: _import_source(
+        f"cce_{variant.kernel}_{source_key(variant, flags)}", render_source(variant, flags)))
+    return getattr(mod, name or variant.kernel_function)
+
+
+def _cached_module(key, make) -> ModuleType:
+    """The module imported for ``key``, made by ``make()`` once per process (under the lock)."""
     mod = _modules.get(key)
     if mod is None:
         with _lock:
             mod = _modules.get(key)
             if mod is None:
-                mod = _import(variant, flags)
-                _modules[key] = mod
-    return getattr(mod, name or variant.kernel_function)
-
-
-def _import(variant: _Variant, flags: Flags) -> ModuleType:
-    return _import_source(f"cce_{variant.kernel}_{source_key(variant, flags)}", render_source(variant, flags))
+                mod = _modules[key] = make()
+    return mod
 
 
 def render_utility(template: str, **switches: bool) -> str:
@@ -195,17 +196,13 @@ def render_utility(template: str, **switches: bool) -> str:
 def load_utility(template: str, function: str, **switches: bool):
     """Render (once), cache and import a knob-free helper kernel; returns ``function`` from it."""
     check_interpret_mode()
-    key = (template, tuple(sorted(switches.items())))
-    mod = _modules.get(key)
-    if mod is None:
-        with _lock:
-            mod = _modules.get(key)
-            if mod is None:
-                source = render_utility(template, **switches)
-                digest = hashlib.sha256(source.encode()).hexdigest()[:20]
-                mod = _import_source(f"cce_{template.split('.')[0]}_{digest}", source)
-                _modules[key] = mod
-    return getattr(mod, function)
+
+    def make() -> ModuleType:
+        source = render_utility(template, **switches)
+        digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+        return _import_source(f"cce_{template.split('.')[0]}_{digest}", source)
+
+    return getattr(_cached_module((template, tuple(sorted(switches.items()))), make), function)
 
 
 def _import_source(name: str, source: str) -> ModuleType:

@@ -22,9 +22,11 @@ import os
 
 import torch
 
-__all__ = ["DATA_KINDS", "lm_like", "random_data", "make_data", "mean_entropy", "is_file_kind", "load_file"]
+__all__ = ["DATA_KINDS", "TORCH_DTYPES", "lm_like", "random_data", "make_data", "mean_entropy", "is_file_kind",
+           "load_file"]
 
 DATA_KINDS = ("lm", "random", "real")
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # short name -> dtype
 
 
 def mean_entropy(e: torch.Tensor, c: torch.Tensor, rows: int = 256) -> float:
@@ -78,15 +80,16 @@ def is_file_kind(kind: str) -> bool:
 
 def load_file(path: str):
     """The :class:`~cce_autotune.activations.Activations` of ``path`` (loaded once per file version)."""
-    from .activations import load_activations
-
     st = os.stat(path) if os.path.isfile(path) else None
-    return _load_cached(os.path.abspath(path), st.st_mtime_ns if st else 0, st.st_size if st else 0, load_activations)
+    return _load_cached(os.path.abspath(path), st.st_mtime_ns if st else 0, st.st_size if st else 0)
 
 
 @functools.lru_cache(maxsize=2)
-def _load_cached(path, mtime, size, loader):
-    return loader(path)
+def _load_cached(path: str, mtime: int, size: int):
+    """(``mtime`` and ``size`` only key the cache: a rewritten file is read again.)"""
+    from .activations import load_activations
+
+    return load_activations(path)
 
 
 def make_data(kind: str, B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed: int = 0, **options):

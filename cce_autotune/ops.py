@@ -183,7 +183,7 @@ def prepare(e, c, targets, bias, token_weights, o: Options) -> _Problem:
         if kv.backward.strategy not in ("auto", "chunked", "fused"):
             kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
     dev = e.device
-    D, V = e.shape[-1], c.shape[0]
+    V = c.shape[0]
     batch = tuple(e.shape[:-1])
     T = batch[-1]
     shape = pred_shape(batch, o.shift)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
-__all__ = ["resource_dir", "cache_dir"]
+__all__ = ["resource_dir", "cache_dir", "save_torch_atomic"]
 
 _PKG = Path(__file__).resolve().parent
 
@@ -36,3 +38,19 @@ def cache_dir() -> Path:
         path = Path(base) / "cce_autotune"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def save_torch_atomic(obj, path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then rename: readers never see half a file,
+    and a failed write leaves any earlier file whole."""
+    import torch
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

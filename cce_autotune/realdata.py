@@ -53,7 +53,6 @@ import platform
 import re
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -62,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .paths import cache_dir
+from .paths import cache_dir, save_torch_atomic
 
 __all__ = ["TOKEN_RE", "tokenize", "Corpus", "load_corpus", "data_dir", "GPTConfig", "GPT", "autocast",
            "compute_dtype", "default_lr", "make_optimizer", "batches", "lm_loss", "train_step", "pretrain", "real_data"]
@@ -182,23 +181,11 @@ def load_corpus() -> Corpus:
     else:
         files = _stdlib_files(root)
         corpus = _build_corpus(files, key)
-        _save_atomic({"ranks": corpus.ranks, "words": corpus.words}, path)
+        save_torch_atomic({"ranks": corpus.ranks, "words": corpus.words}, path)
         print(f"# real data: corpus of {len(corpus):,} tokens ({len(corpus.words):,} distinct) from "
               f"{len(files)} files under {root}, cached in {path}", file=sys.stderr, flush=True)
     _corpora[key] = corpus
     return corpus
-
-
-def _save_atomic(obj, path: Path) -> None:
-    """torch.save to a temporary file beside ``path``, then rename: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 # --- model --------------------------------------------------------------------------------------
@@ -408,7 +395,7 @@ def real_data(B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed: 
         result = torch.load(path, map_location=device, weights_only=True)
     else:
         result = _train_and_sample(cfg, corpus, B, device, seed, steps, tokens_per_step, lr)
-        _save_atomic({k: v.cpu() for k, v in result.items()}, path)
+        save_torch_atomic({k: v.cpu() for k, v in result.items()}, path)
     e, c = result["e"].to(dtype).contiguous(), result["c"].to(dtype).contiguous()
     return e, c, result["targets"]
 

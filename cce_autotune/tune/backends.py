@@ -122,14 +122,14 @@ class GPUBackend(Backend):
         import torch
 
         from .. import kernels
-        from ..data import make_data
+        from ..data import TORCH_DTYPES, make_data
 
         key = (problem, torch.cuda.current_device())
         if self._key != key:
             self._data = {}
             self._key = None
             torch.cuda.empty_cache()
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[problem.dtype]
+            dtype = TORCH_DTYPES[problem.dtype]
             e, c, t = make_data(problem.data, problem.B, problem.V, problem.D, dtype=dtype, device="cuda",
                                 seed=problem.seed)
             g = torch.Generator(device="cuda").manual_seed(problem.seed + 1)

@@ -147,7 +147,7 @@ def calibration_problems(plan: Plan) -> list:
 
 def calibrate_costs(plan: Plan, backend: Backend, log=None):
     """Measure the planner's cost coefficients on the plan's heads and fit them: (CostModel, section
-    for the GPU's file), or None when the backend cannot measure them (the notes say why)."""
+    for the GPU's file), or None when that fails (``log`` says why)."""
     from .. import calibrate, planner
 
     measurements = []
@@ -155,11 +155,15 @@ def calibrate_costs(plan: Plan, backend: Backend, log=None):
         try:
             measurements.append(backend.calibrate(p, log=log))
         except NotImplementedError:
+            if log:
+                log("calibration: this backend cannot measure the planner's costs; keeping the current ones")
             return None
         except Exception as exc:  # a head that cannot be measured: the others may
             if log:
                 log(f"calibration on {p.describe()} failed: {type(exc).__name__}: {exc}")
     if not measurements:
+        if log:
+            log("calibration: no head could be measured; keeping the current coefficients")
         return None
     try:
         costs, notes = calibrate.fit(measurements, base=planner.cost_model(plan.gpu))
@@ -195,10 +199,7 @@ def run_plan(plan: Plan, backend: Backend, storage_url: str | None = None, *, ba
     costs = None
     if calibrate:
         found = calibrate_costs(plan, backend, log)
-        if found is None:
-            if log:
-                log("calibration: this backend cannot measure the planner's costs; keeping the current ones")
-        else:
+        if found is not None:
             costs, section = found
             planner.set_cost_model(plan.gpu, costs)
             if on_costs is not None:
@@ -225,7 +226,7 @@ def run_plan(plan: Plan, backend: Backend, storage_url: str | None = None, *, ba
         by_name = {s.name: s for s in plan.studies}
         run_workers(workers, backend_name or backend.name, backend_kwargs or {}, storage_url, plan.studies,
                     seed=seed, deadline=deadline, trial_time_limit=trial_time_limit,
-                    costs=None if costs is None else {k: v for k, v in costs.to_dict().items()},
+                    costs=None if costs is None else costs.to_dict(),
                     finalize_kwargs=final,
                     on_entry=lambda name, d: report(by_name[name], None if d is None else Entry.from_dict(d)))
         return results

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import random
 import signal
@@ -182,8 +183,6 @@ def sibling_best(spec: StudySpec, specs: Sequence[StudySpec], storage, limit: in
     """The best measured variant of each study of ``specs`` that tunes the same kernel on the same head
     (V, D, dtype, flags, data) at another token bucket, nearest bucket first (at most ``limit``):
     what a study measures first after the default (a winner at 4096 tokens is often one at 8192)."""
-    import math
-
     p = spec.problem
     same = [s for s in specs if s.kernel == spec.kernel and s.problem.B != p.B
             and dataclasses.replace(s.problem, B=p.B) == p]

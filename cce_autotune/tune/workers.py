@@ -19,14 +19,11 @@ FINALIZE_S = {"indexed_dot": 3.0, "lse_forward": 6.0, "backward": 12.0}
 
 
 def _study_timeout(deadline: float | None, remaining, workers: int = 1) -> float | None:
-    """Seconds for the next study of ``remaining`` (the specs left, the next first; or their count):
-    its weighted share of the time to ``deadline``, after the final re-timing of those studies
-    (shared by ``workers``)."""
+    """Seconds for the next study of ``remaining`` (the specs left, the next first): its weighted share
+    of the time to ``deadline``, after the final re-timing of those studies (shared by ``workers``)."""
     if deadline is None:
         return None
     left = deadline - time.time()
-    if isinstance(remaining, int):
-        return max(1.0, left / max(1, remaining))
     left -= sum(FINALIZE_S[s.kernel] for s in remaining) / max(1, workers)
     share = WEIGHT[remaining[0].kernel] / sum(WEIGHT[s.kernel] for s in remaining)
     return max(1.0, left * share)
