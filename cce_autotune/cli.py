@@ -200,7 +200,8 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     merge = argparse.ArgumentParser(
         prog="cce-tune merge",
         description="Combine tuned-config files of one GPU into one: per key the entry tuned on the kernel's "
-        "current template wins, then the faster (the rule of every save). Files of another GPU or schema "
+        "current template wins, then the entry tuned on data closer to a user's (captured activations, then "
+        "real hidden states, then LM-like), then the faster (the rule of every save). Files of another GPU or schema "
         "version are refused (exit 2). The cost_model section is taken from the last file listed that has one.",
     )
     merge.add_argument("files", nargs="+", type=Path, metavar="FILE", help="tuned-config files (<gpu>.yaml)")
@@ -450,8 +451,8 @@ def _cmd_explain(args, out, err) -> int:
             for live in args.live:
                 # Live chunks: a chunk holds a live tile when any row block has one there; take the
                 # share of a random spread of the live tiles as the estimate.
-                w, _ = planner.chunked_shape(p, bw.block_v, bw.chunk_v, budget, False)
-                per_chunk = max(1, w // bw.block_v) * -(-B // bw.block_b)
+                w, _, rg = planner.chunked_shape(p, bw.block_v, bw.chunk_v, budget, False, costs)
+                per_chunk = max(1, w // bw.block_v) * -(-(rg or B) // bw.block_b)
                 chunks = 1.0 - (1.0 - live) ** per_chunk
                 plan = planner.plan_backward(p, bw, has_map=True, live=live, live_chunks=chunks, budget=budget,
                                              costs=costs)

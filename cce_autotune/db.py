@@ -370,8 +370,11 @@ class MergeReport:
 
 def merge_entries(existing: Iterable[Entry], new: Iterable[Entry]) -> tuple[list, MergeReport]:
     """Entries after adding ``new``: an entry tuned on the kernel's current template replaces one
-    tuned on an older template (whatever their timings: the old one measured other code); between
-    two of the same standing a new entry replaces a stored one only if it is faster."""
+    tuned on an older template (whatever their timings: the old one measured other code); then an
+    entry tuned on data closer to a user's (captured activations, then real hidden states, then
+    LM-like; see :func:`data_rank`) replaces one tuned on synthetic data (their timings measured
+    other data); between two of the same standing a new entry replaces a stored one only if it is
+    faster."""
     out = {e.key: e for e in existing}
     report = MergeReport()
     for e in new:
@@ -383,6 +386,8 @@ def merge_entries(existing: Iterable[Entry], new: Iterable[Entry]) -> tuple[list
         new_current, old_current = _is_current(e), _is_current(old)
         if new_current != old_current:
             better = new_current
+        elif data_rank(e) != data_rank(old):
+            better = data_rank(e) > data_rank(old)
         else:
             better = e.median_ms < old.median_ms
         if better:
@@ -391,6 +396,13 @@ def merge_entries(existing: Iterable[Entry], new: Iterable[Entry]) -> tuple[list
         else:
             report.kept.append(e.key)
     return [out[k] for k in sorted(out)], report
+
+
+def data_rank(entry: Entry) -> int:
+    """How close an entry's tuning data is to a user's: 2 captured activations (``--data FILE``),
+    1 real hidden states, 0 LM-like or unrecorded."""
+    kind = (entry.data or {}).get("kind")
+    return {"file": 2, "real": 1}.get(kind, 0)
 
 
 def _is_current(entry: Entry) -> bool:
@@ -498,7 +510,7 @@ class FilesMerge:
             kept = sum(1 for src in self.sources.values() if src == p)
             lines.append(f"  {names[p]}: {self.totals[p]} entries, {kept} in the result")
         if self.conflicts:
-            lines.append(f"{len(self.conflicts)} key(s) in several files (current template wins, then the faster):")
+            lines.append(f"{len(self.conflicts)} key(s) in several files (current template wins, then real data over LM-like, then the faster):")
         for key, contenders, winner, reason in self.conflicts:
             each = ", ".join(f"{p} {e.median_ms:.4g} ms ({'current' if _is_current(e) else 'stale'} template)"
                              for p, e in contenders)
@@ -550,6 +562,8 @@ def merge_files(paths: Iterable[str | Path], out: str | Path) -> FilesMerge:
         losers = [e for _, e in contenders if e is not win]
         if _is_current(win) and any(not _is_current(e) for e in losers):
             reason = "tuned on the current template"
+        elif any(data_rank(e) < data_rank(win) for e in losers):
+            reason = f"tuned on {win.data['kind']} data"
         elif any(e.median_ms <= win.median_ms for e in losers):
             reason = "as fast; the one merged first stays"
         else:

@@ -230,7 +230,8 @@ def backward(
     With ``plan.use_map``: ``tile_map`` is the forward's map, ``perm`` the order that forward walked,
     ``live`` the (row blocks, tiles) grid of live tiles at the variant's tiling
     (:func:`~cce_autotune.tile_map.live_grid`), ``targets`` the vocabulary index of each row's target
-    and, for the chunked strategy, ``chunks[k]`` whether vocabulary chunk k holds a live tile.
+    and, for the chunked strategy, ``chunks[k * G + j]`` whether vocabulary chunk k holds a live
+    tile in row group j (G groups of ``plan.row_group`` rows; one without row groups).
     ``dc_dtype``: dC's dtype when it is not c's (``c`` a converted copy of a wider classifier).
     ``deterministic``: the plan is chunked (the planner's choice) and dbias is summed without atomics. Only live tiles are computed; the onehot term of a row whose target tile is dead is
     added outside the kernels.
@@ -447,18 +448,23 @@ def _add_matmul_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
         elif _FP32_OUT_MM[0] in ways:
             ways[_FP32_OUT_MM[0]]()
             return
+    elif a.dtype != acc.dtype:  # the CPU: the product of the upcast operands
+        acc += a.float() @ b.float()
+        return
     acc += a @ b
 
 
 def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
                       variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None, live, chunks,
                       dc_dtype=None, deterministic: bool = False):
-    """The ``strategy="chunked"`` backward: for each vocabulary chunk of ``plan.chunk_v`` columns that
-    holds a live tile (every chunk without a map), a kernel writes the gradient block g of every row
-    (dead tiles as zeros, not recomputed) to a buffer that lines up with the rows of E, and cuBLAS
-    forms dC[chunk] = g^T E (one rounding) and dE += g C[chunk], accumulated in fp32 when
-    ``plan.de_fp32`` and else in dE itself (fp32 inside cuBLAS, one rounding per live chunk). No
-    atomics; no V x D scratch."""
+    """The ``strategy="chunked"`` backward: for each vocabulary chunk of ``plan.chunk_v`` columns, and
+    each group of ``plan.row_group`` rows (all rows when 0), that holds a live tile (every block
+    without a map), a kernel writes the gradient block g of the group's rows (dead tiles as zeros,
+    not recomputed) to a buffer that lines up with the rows of E, and cuBLAS forms dE += g C[chunk],
+    accumulated in fp32 when ``plan.de_fp32`` and else in dE itself (fp32 inside cuBLAS, one
+    rounding per live chunk), and dC[chunk] = g^T E (one rounding; with row groups summed over the
+    groups in an fp32 buffer first). ``chunks[k * groups + j]``: whether chunk k holds a live tile in
+    row group j. No atomics; no V x D scratch."""
     n, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
@@ -477,52 +483,75 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
     computed = [False] * n_chunks
     if n > 0:
         use_live = live is not None
+        groups = _row_groups(e, rows, plan.row_group, variant.block_b, N)
         # A classifier wider than e: each chunk's rows converted to e's dtype once (see lse_forward),
         # read by the kernel and by cuBLAS.
         c_buf = torch.empty((W, D), dtype=e.dtype, device=dev) if c.dtype != e.dtype else None
         kernel = load_kernel(variant, _flags(e, c if c_buf is None else c_buf, bias, softcap, variant.block_d, rows,
                                              tile_live=use_live, c_local=c_buf is not None))
-        # Rows of E that no problem row reads (shift) keep a zero gradient row in g.
-        g_buf = (torch.zeros if n < N else torch.empty)((N, W), dtype=e.dtype, device=dev)
+        # Rows of E that no problem row reads (shift, ignored rows) keep a zero gradient row in g.
+        g_rows = max(grp.span for grp in groups)
+        g_buf = (torch.zeros if n < N else torch.empty)((g_rows, W), dtype=e.dtype, device=dev)
+        # Row groups: dC[chunk] summed over the groups in fp32, one rounding when written.
+        dc_part = torch.empty((W, D), dtype=torch.float32, device=dev) if len(groups) > 1 else None
+        # Each group's rows of the per-row arguments, sliced once (views; launches dominate small blocks).
+        args = [(rows.offsets[g.lo:], target_pos[g.lo:], lse[g.lo:], coef_s[g.lo:], coef_t[g.lo:],
+                 live[g.lo // variant.block_b:] if use_live else lse) for g in groups]
         for k in range(n_chunks):
-            if chunks is not None and not chunks[k]:
-                continue  # no live tile: every gradient of the chunk is negligible
             lo = k * W
             w = min(W, V - lo)
+            todo = [j for j in range(len(groups)) if chunks is None or chunks[k * len(groups) + j]]
+            if not todo:
+                continue  # no live tile: every gradient of the chunk is negligible
             chunk = _convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
             c_arg = c if chunk is None else chunk
-            grid = (triton.cdiv(n, variant.block_b) * triton.cdiv(w, variant.block_v),)
-            kernel[grid](
-                e, c_arg, bias if bias is not None else c, rows.offsets, rows.de_offsets, target_pos, lse, coef_s,
-                coef_t, perm if perm is not None else target_pos, live if use_live else lse, g_buf,
-                dbias_k if dbias_k is not None else lse,
-                n, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), g_buf.stride(0),
-                _softcap_arg(softcap), lo, w,
-                BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
-                GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages,
-            )
-            g = g_buf if w == W else g_buf[:, :w]
-            if perm is None:
-                _add_matmul(acc, g, c[lo : lo + w] if chunk is None else chunk)
-                if dc.dtype == g.dtype:
-                    torch.mm(g.T, e2, out=dc[lo : lo + w])
+            cols = perm[lo : lo + w].long() if perm is not None else None
+            c_k = chunk if chunk is not None else (c[lo : lo + w] if cols is None else c[cols])
+            if dc_part is not None:
+                dc_part[:w].zero_()
+            for j in todo:
+                grp = groups[j]
+                grid = (triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v),)
+                offsets, tpos, lse_g, cs, ct, live_g = args[j]
+                kernel[grid](
+                    grp.e, c_arg, bias if bias is not None else c, offsets, grp.g_offsets, tpos,
+                    lse_g, cs, ct, perm if perm is not None else target_pos, live_g, g_buf,
+                    dbias_k if dbias_k is not None else lse,
+                    grp.n, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), g_buf.stride(0),
+                    _softcap_arg(softcap), lo, w,
+                    BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+                    GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages,
+                )
+                if grp.holes is not None:
+                    g_buf.index_fill_(0, grp.holes, 0)  # rows another group wrote, not this group's
+                g = g_buf[: grp.span, :w]
+                e_rows = e2[grp.first : grp.first + grp.span]
+                _add_matmul(acc[grp.first : grp.first + grp.span], g, c_k)
+                if dc_part is not None:
+                    _add_matmul_fp32(dc_part[:w], g.T, e_rows)
+                elif cols is None:
+                    if dc.dtype == g.dtype:
+                        torch.mm(g.T, e_rows, out=dc[lo : lo + w])
+                    else:
+                        _mm_fp32_out(g.T, e_rows, dc[lo : lo + w])
                 else:
-                    _mm_fp32_out(g.T, e2, dc[lo : lo + w])
-            else:
-                cols = perm[lo : lo + w].long()
-                _add_matmul(acc, g, c[cols] if chunk is None else chunk)
-                if dc.dtype == g.dtype:
-                    dc[cols] = g.T @ e2
+                    if dc.dtype == g.dtype:
+                        dc[cols] = g.T @ e_rows
+                    else:
+                        part = torch.empty((w, D), dtype=dc.dtype, device=dev)
+                        _mm_fp32_out(g.T, e_rows, part)
+                        dc[cols] = part
+                if deterministic and dbias is not None:
+                    part_b = g.sum(0, dtype=torch.float32)
+                    if cols is None:
+                        dbias[lo : lo + w] += part_b
+                    else:
+                        dbias[cols] += part_b
+            if dc_part is not None:
+                if cols is None:
+                    dc[lo : lo + w] = dc_part[:w]
                 else:
-                    part = torch.empty((w, D), dtype=dc.dtype, device=dev)
-                    _mm_fp32_out(g.T, e2, part)
-                    dc[cols] = part
-            if deterministic and dbias is not None:
-                part_b = g.sum(0, dtype=torch.float32)
-                if perm is None:
-                    dbias[lo : lo + w] += part_b
-                else:
-                    dbias[cols] += part_b
+                    dc[cols] = dc_part[:w].to(dc.dtype)
             computed[k] = True
     for k in range(n_chunks):
         if not computed[k]:
@@ -538,6 +567,59 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
     if dbias is not None:
         dbias = dbias.to(bias.dtype)
     return de, dc, dbias
+
+
+@dataclass
+class _RowGroup:
+    """Problem rows lo .. lo + n of the chunked strategy's row group, whose rows of E lie in
+    first .. first + span (the rows of g it writes); ``e``: E as the kernel addresses it for the
+    group (dense rows: a view starting at its first row); ``g_offsets``: the dE offsets the kernel
+    turns into g's rows (relative to ``first``); ``holes``: rows of g in the span that are not the
+    group's (zeroed after each launch), or None."""
+
+    lo: int
+    n: int
+    first: int
+    span: int
+    e: torch.Tensor
+    g_offsets: torch.Tensor
+    holes: torch.Tensor | None = None
+
+
+def _row_groups(e, rows: RowLayout, row_group: int, block_b: int, N: int) -> list:
+    """The chunked strategy's row groups: one of every row (g lines up with all of E) unless
+    ``row_group`` asks for blocks of that many problem rows (a multiple of ``block_b``: the live
+    grid's row blocks)."""
+    n, D = rows.n, e.shape[-1]
+    if not 0 < row_group < n:
+        return [_RowGroup(0, n, 0, N, e, rows.de_offsets)]
+    if row_group % block_b:
+        raise ValueError(f"plan.row_group={row_group} must be a multiple of the variant's block_b={block_b}")
+    bounds = list(range(0, n, row_group))
+    idx = rows.row_index(D)
+    if rows.dense_stride is not None:  # row i of the problem is row i of E
+        firsts, lasts = bounds, [min(n, lo + row_group) - 1 for lo in bounds]
+    else:
+        ends = [min(n, lo + row_group) for lo in bounds]
+        ext = torch.stack([torch.stack([idx[lo:hi].min(), idx[lo:hi].max()]) for lo, hi in zip(bounds, ends)])
+        firsts, lasts = zip(*ext.tolist())  # one copy
+    out = []
+    for lo, first, last in zip(bounds, firsts, lasts):
+        m = min(n, lo + row_group) - lo
+        span = last - first + 1
+        if rows.dense_stride is not None:
+            s = rows.dense_stride
+            ge = e.as_strided((m, D), (s, e.stride(-1)), e.storage_offset() + lo * s)
+            out.append(_RowGroup(lo, m, first, span, ge, rows.de_offsets[lo:]))
+            continue
+        local = idx[lo : lo + m] - first
+        holes = None
+        if span > m:  # rows of E between the group's own: other groups' or nobody's
+            keep = torch.ones(span, dtype=torch.bool, device=idx.device)
+            keep[local] = False
+            holes = keep.nonzero().view(-1)
+        out.append(_RowGroup(lo, m, first, span, e, (local * D).contiguous(), holes))
+    return out
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -410,6 +410,8 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
     if pause:
         vocab_order.pause(c, planner.PAUSE_CALLS)
         eps = None  # the planner's plan for this call filters nothing either
+    elif plan.filter_eps is not None:
+        eps = plan.filter_eps  # lowered by the planner's accuracy guard
     if plan.use_map:
         perm = tmap.perm  # the live grid is in the order the forward walked
     elif plan.strategy == "chunked":

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TileMap", "live_grid", "tile_ids", "live_tiles"]
+__all__ = ["TileMap", "live_grid", "dropped_share", "tile_ids", "live_tiles"]
 
 
 @dataclass
@@ -43,9 +43,7 @@ def live_grid(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block
     q = tmap.q
     n = q.shape[1]
     dev = q.device
-    # Per row: the smallest q that can be live, as an int8 threshold (NaN -> everything live).
-    thr = torch.ceil(8.0 * (math.log(filter_eps) + lse.float() - tmap.zt.float()))
-    thr = torch.nan_to_num(thr, nan=-128.0, posinf=127.0, neginf=-128.0).clamp_(-128, 127).to(torch.int8)
+    thr = _threshold(tmap, lse, filter_eps)
     live_rows = q >= thr[None, :]  # (T_f, n); q == 127 (saturated) passes every threshold
     live_rows &= (lse != float("inf"))[None, :]  # an ignored row (infinite LSE) has no gradient
     # Rows -> row blocks of the backward.
@@ -64,6 +62,38 @@ def live_grid(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block
         wide[: live.shape[0]] = live
         live = wide.view(T, r, R).any(dim=1)
     return live.T.contiguous()
+
+
+def _threshold(tmap: TileMap, lse: torch.Tensor, filter_eps: float) -> torch.Tensor:
+    """Per row: the smallest q that can be live, as an int8 threshold (NaN -> everything live)."""
+    thr = torch.ceil(8.0 * (math.log(filter_eps) + lse.float() - tmap.zt.float()))
+    return torch.nan_to_num(thr, nan=-128.0, posinf=127.0, neginf=-128.0).clamp_(-128, 127).to(torch.int8)
+
+
+def dropped_share(tmap: TileMap, lse: torch.Tensor, filter_eps: float) -> torch.Tensor:
+    """0-dim fp32: a bound on the softmax mass that filtering at ``filter_eps`` drops, as a share of
+    the gradient's L1 mass.
+
+    Every (row, forward tile) below the row's threshold counts with the tile's width times the
+    largest softmax value its bound allows, ``block_v * exp(q / 8 + z_target - lse)`` (an upper
+    bound: the backward drops only tiles dead for a whole block of rows, and a tile's values sit
+    below its maximum). The gradient of row i, softmax minus onehot, has L1 mass
+    ``2 (1 - p_i,target)``; rows with an infinite LSE (ignored) count in neither sum."""
+    q = tmap.q
+    T, n = q.shape
+    lse = lse.float()
+    zt = tmap.zt.float()
+    ok = torch.isfinite(lse) & torch.isfinite(zt)
+    log_pt = torch.where(ok, zt - lse, -math.inf)  # log of the target's softmax value, per row
+    thr = _threshold(tmap, lse, filter_eps)
+    below = torch.zeros(n, dtype=torch.float32, device=q.device)
+    step = max(1, (1 << 22) // max(1, n))  # tiles per slice: a few MiB of temporaries
+    for t0 in range(0, T, step):
+        qs = q[t0 : t0 + step]
+        below += torch.where(qs < thr[None, :], torch.exp(qs.float() * 0.125), 0.0).sum(0)
+    dropped = (below * torch.exp(log_pt)).sum() * tmap.block_v
+    grad_l1 = torch.where(ok, 2.0 * (1.0 - torch.exp(log_pt)), 0.0).clamp_min(0.0).sum()
+    return dropped / grad_l1.clamp_min(1e-30)
 
 
 def tile_ids(live: torch.Tensor, group_b: int, swizzle: bool = True) -> torch.Tensor:

@@ -36,6 +36,15 @@ def device():
     return DEVICE
 
 
+@pytest.fixture
+def no_accuracy_guard(monkeypatch):
+    """Filter at exactly the variant's filter_eps, however much it drops: for tests of the skipping
+    machinery with deliberately coarse filters (the planner's guard would lower them)."""
+    from cce_autotune import planner
+
+    monkeypatch.setattr(planner, "MAX_DROPPED", float("inf"))
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -160,6 +160,28 @@ def test_merge_takes_current_templates_then_the_faster(isolated, capsys):
     assert db.load_file(out_path).cost_model == {"forward": 2.0}  # c has none: the output's is kept
 
 
+def test_merge_prefers_real_data_over_a_faster_lm_like_entry(isolated, capsys):
+    # Timings on different data do not compare: an entry tuned on real hidden states replaces a
+    # faster one tuned on LM-like data, and one tuned on captured activations replaces both.
+    tmp = isolated["tmp"]
+    lm_fast = dataclasses.replace(_current(make_entry("backward", B=8192, median=0.5)), data={"kind": "lm"})
+    real_slow = dataclasses.replace(_current(make_entry("backward", B=8192, median=0.9)), data={"kind": "real"})
+    a = _configs(tmp / "a.yaml", lm_fast)
+    b = _configs(tmp / "b.yaml", real_slow)
+    out_path = tmp / "merged" / "h200.yaml"
+    rc, out, err = run(capsys, "merge", a, b, "--out", out_path)
+    assert rc == 0, err
+    assert db.load_file(out_path).by_key()[real_slow.key] == real_slow
+    assert f"-> {b} (tuned on real data)" in out
+    rc, out, err = run(capsys, "merge", a, "--out", out_path)  # merging the LM-like one again changes nothing
+    assert db.load_file(out_path).by_key()[real_slow.key] == real_slow
+    filed = dataclasses.replace(real_slow, timing_ms={"median": 2.0, "p20": 2.0, "p80": 2.0},
+                                data={"kind": "file", "name": "acts.pt", "sha256": "0" * 16})
+    c = _configs(tmp / "c.yaml", filed)
+    rc, out, err = run(capsys, "merge", c, "--out", out_path)
+    assert db.load_file(out_path).by_key()[filed.key] == filed and "(tuned on file data)" in out
+
+
 def test_merge_refuses_another_gpu_or_schema(isolated, capsys):
     tmp = isolated["tmp"]
     a = _configs(tmp / "a.yaml", make_entry(median=1.0))

@@ -152,7 +152,7 @@ def test_second_call_walks_the_remembered_order_and_matches_the_first(device, mo
 # element size: the whole grid in both dtypes took four minutes of the CPU suite's fifteen)
 @pytest.mark.parametrize("eps, dtype", [(2.0**-12, torch.bfloat16), (2.0**-5, torch.bfloat16), (0.9, torch.bfloat16),
                                         (2.0**-5, torch.float32)], ids=str)
-def test_mapped_backward_matches_the_oracle(strategy, walk, eps, dtype, device):
+def test_mapped_backward_matches_the_oracle(strategy, walk, eps, dtype, device, no_accuracy_guard):
     # Odd shapes, ignored rows, shift, bias, softcap; a stale (random) order is slow, never wrong;
     # without an order (walk=None: a first call) there is no map (the planner runs "sparse" as the
     # fastest strategy that needs none; the chunked strategy without a map is the exact path that
@@ -199,7 +199,7 @@ def test_map_is_not_made_without_filtering_or_for_forward_only_calls(device):
 
 
 @pytest.mark.parametrize("flat", [True, False])
-def test_auto_strategy_runs_the_planners_choice(flat, device, monkeypatch):
+def test_auto_strategy_runs_the_planners_choice(flat, device, monkeypatch, no_accuracy_guard):
     # Strategy "auto": whatever the planner picks from the live share the map measures is what runs,
     # and results are right either way (flat softmax: most tiles live; peaked: few).
     from cce_autotune import planner
@@ -246,3 +246,82 @@ def test_map_path_is_as_accurate_as_the_first_call(strategy, dtype, device):
     assert vocab_order.lookup(c) is not None
     for first, mapped in zip(*errs):
         assert mapped <= 1.1 * first + 1e-6, errs
+
+
+# -- the planner's accuracy guard ---------------------------------------------------------------
+def test_dropped_share_bounds_the_mass_the_filter_drops(device):
+    from cce_autotune.tile_map import _threshold, dropped_share
+
+    e, c, t, _ = make_inputs((50,), 300, 32, torch.float32, peaked=1.0, seed=4, device=device)
+    lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
+    p = torch.softmax(e.double() @ c.double().T, dim=1)[:, tmap.perm.long()]  # walked order
+    bv = tmap.block_v
+    for eps in (2.0**-4, 2.0**-8, 2.0**-12):
+        dead = (tmap.q < _threshold(tmap, lse, eps)[None, :]).T  # (rows, forward tiles)
+        cols = dead.repeat_interleave(bv, dim=1)[:, : p.shape[1]]
+        true = (p * cols).sum() / (2 * (1 - p.gather(1, tmap.perm.long().argsort()[t][:, None]))).sum()
+        bound = float(dropped_share(tmap, lse, eps))
+        assert true.item() <= bound * (1 + 1e-5), (eps, true.item(), bound)
+        assert bound <= 1e3 * max(true.item(), 1e-9)  # a bound, not a blanket
+
+
+def _guard_case(device, q_tail, V, n=16):
+    from cce_autotune import planner
+    from cce_autotune.planner import Problem
+
+    T = V // 32
+    v = BackwardVariant(block_b=16, block_v=32, block_d=16)
+    p = Problem(n=n, n_all=n, V=V, D=32, elem=4, grad_bytes=4 * (n + V) * 32, sorted_vocab=True, map_bytes=n * T)
+    q = torch.full((T, n), -128, dtype=torch.int8, device=device)
+    q[0] = 127
+    for k, val in q_tail.items():
+        q[k] = val
+    zt, lse = torch.zeros(n, device=device), torch.ones(n, device=device)  # targets at softmax 1/e
+    tmap = TileMap(q=q, block_v=32, perm=torch.arange(V, dtype=torch.int32, device=device), zt=zt)
+    return planner.decide(p, v, 2.0**-12, tmap, lse, max_extra_memory=None)
+
+
+def test_accuracy_guard_lowers_the_filter_or_runs_exact(device, monkeypatch):
+    from cce_autotune import planner
+
+    monkeypatch.setitem(planner.COSTS, "h200", planner.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0))
+    monkeypatch.setattr(planner, "cost_model", lambda gpu: planner.COSTS["h200"])
+    monkeypatch.setattr(planner, "MAX_DROPPED", 5e-3)  # the mechanism, at a threshold these small maps reach
+    # Two tiles just under 2^-12 drop ~1e-2 of the gradient's mass: the filter goes to 2^-16, where
+    # they are live and the rest (at the map's floor) drop ~1e-5.
+    plan, live, chunks, pause = _guard_case(device, {1: -60, 2: -60}, 512)
+    assert plan.filter_eps == 2.0**-16 and "lowered" in plan.reason and plan.use_map and not pause
+    assert live is not None and live[:, 1:3].all() and not live[:, 3:].any()
+    # 255 tiles just under even 2^-20: every filter drops too much; the call runs exact and pauses.
+    plan, live, chunks, pause = _guard_case(device, {k: -103 for k in range(1, 256)}, 8192)
+    assert pause and not plan.use_map and live is None and "would drop" in plan.reason
+    # A peaked map passes at the call's own filter.
+    plan, live, chunks, pause = _guard_case(device, {}, 512)
+    assert plan.filter_eps is None and plan.use_map and not pause
+
+
+def test_lowered_filter_reaches_the_kernels_and_keeps_the_gradient_accurate(device, monkeypatch):
+    # A flat softmax and a coarse filter (2^-6): unguarded it drops much of the gradient; the guard
+    # lowers the filter, the kernels run with the lowered one, and dE is far closer to the oracle.
+    from cce_autotune import planner
+
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
+    _, ref = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
+    seen = []
+    real = kernels.backward
+    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (seen.append((a[10], a[12])), real(*a, **k))[1])
+    errs = {}
+    for guard in (True, False):
+        if not guard:
+            monkeypatch.setattr(planner, "MAX_DROPPED", float("inf"))
+        ee, cc = e.clone().requires_grad_(), c.clone()
+        prime_order(cc, ee, "sorted")
+        linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
+        errs[guard] = rel_err(ee.grad, ref[0])
+        eps, plan = seen[-1]
+        if guard:
+            assert plan.use_map and plan.filter_eps is not None and eps == plan.filter_eps < 2.0**-6
+        else:
+            assert plan.use_map and eps == 2.0**-6
+    assert errs[True] < 0.25 * errs[False], errs
