@@ -7,6 +7,11 @@
 #            results and the benchmark of the merged configs against the built-in defaults on real data;
 #   PHASE=d  (one GPU) the merged entries with the fitted and with the hand-set cost model, and none;
 #   PHASE=e  (one GPU) --data FILE end to end (after the fixes of the closing note).
+#   PHASE=f  (one GPU) row groups in the chunked strategy: the row-group tests on CUDA, then real data at
+#            B=32768 with this tree and with the previous commit's package (carry .old_pkg: `git archive`
+#            of cce_autotune, templates, tuned_configs), PyTorch beside them.
+#   PHASE=g  (one GPU) the shipped file against the built-in defaults at seven more heads, real data, B=8192.
+#   PHASE=h  (one GPU) the same at 32,768 tokens (real data) and at two LM-like heads.
 # State lives in /tmp/persist between the runs; each run packs it under $OUT. Carry .whl (optuna & deps).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc CCE_AUTOTUNE_DATA_DIR=/tmp/real
@@ -56,6 +61,32 @@ d)  # the merged configs with the fitted cost model (cal) or the hand-set one (h
   CCE_AUTOTUNE_NO_CONFIGS=1 CCE_AUTOTUNE_EXPLAIN=1 timeout 80 python3 -m cce_autotune.bench --data real --shapes $S \
        --no-peers --methods cce_autotune --reps 200 --out $OUT --tag none > $OUT/none.txt 2>&1
   rm -f $OUT/*.png; grep -hE "fw\+bw|fw  " $OUT/cal.txt $OUT/hand.txt $OUT/none.txt | grep "ms " ;;
+f)
+  timeout 150 python3 -m pytest -q -x tests/test_planner.py -k "row_groups or plan_shapes or fp32_at_many" -p no:cacheprovider 2>&1 | tail -3
+  S=32768:151936:896,32768:128256:2048,32768:50257:768
+  CCE_AUTOTUNE_EXPLAIN=1 timeout 240 python3 -m cce_autotune.bench --data real --shapes $S --no-peers \
+       --methods torch,cce_autotune,cce_autotune_exact --reps 60 --out $OUT --tag new > $OUT/new.txt 2>&1
+  (cd .old_pkg && CCE_AUTOTUNE_EXPLAIN=1 PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m cce_autotune.bench --data real \
+       --shapes $S --no-peers --methods cce_autotune --reps 60 --out $OUT --tag old > $OUT/old.txt 2>&1)
+  rm -f $OUT/*.png; grep -hE "plan \(|fw\+bw|fw  " $OUT/new.txt $OUT/old.txt | sort | uniq -c | sort -k2 | head -60 ;;
+g)
+  S=8192:128256:3072,8192:32768:4096,8192:32064:3072,8192:152064:3584,8192:262144:1152,8192:262208:2560,8192:151936:896
+  CCE_AUTOTUNE_EXPLAIN=1 timeout 380 python3 -m cce_autotune.bench --data real --shapes $S --no-peers \
+       --methods torch,cce_autotune,cce_autotune_exact --reps 60 --out $OUT --tag shipped > $OUT/shipped.txt 2>&1
+  CCE_AUTOTUNE_NO_CONFIGS=1 CCE_AUTOTUNE_EXPLAIN=1 timeout 180 python3 -m cce_autotune.bench --data real --shapes $S \
+       --no-peers --methods cce_autotune --reps 60 --out $OUT --tag none > $OUT/none.txt 2>&1
+  rm -f $OUT/*.png; grep -hE "fw\+bw|fw  " $OUT/shipped.txt $OUT/none.txt | grep "ms " ;;
+h)
+  S=32768:151936:896,32768:128256:2048,32768:50257:768
+  CCE_AUTOTUNE_EXPLAIN=1 timeout 200 python3 -m cce_autotune.bench --data real --shapes $S --no-peers \
+       --methods cce_autotune --reps 60 --out $OUT --tag shipped32k > $OUT/shipped32k.txt 2>&1
+  CCE_AUTOTUNE_NO_CONFIGS=1 CCE_AUTOTUNE_EXPLAIN=1 timeout 100 python3 -m cce_autotune.bench --data real --shapes $S \
+       --no-peers --methods cce_autotune --reps 60 --out $OUT --tag none32k > $OUT/none32k.txt 2>&1
+  CCE_AUTOTUNE_EXPLAIN=1 timeout 150 python3 -m cce_autotune.bench --data lm --shapes llama3,gemma2 --no-peers \
+       --methods torch,cce_autotune,cce_autotune_exact --reps 60 --out $OUT --tag lm > $OUT/lm.txt 2>&1
+  CCE_AUTOTUNE_NO_CONFIGS=1 timeout 60 python3 -m cce_autotune.bench --data lm --shapes llama3,gemma2 --no-peers \
+       --methods cce_autotune --reps 60 --out $OUT --tag lmnone > $OUT/lmnone.txt 2>&1
+  rm -f $OUT/*.png; grep -hE "fw\+bw" $OUT/*.txt | grep "ms " ;;
 e)  # (one GPU) the --data FILE path end to end: activations saved from real data, calibration on them, a study
   python3 -c "
 import torch; from cce_autotune.data import make_data; from cce_autotune import save_activations
