@@ -322,7 +322,7 @@ def chunked_shape(p: Problem, block_v: int, chunk_v: int, budget: int | None, ex
         widths.append(w)
         if w // 2 < block_v:
             break
-        w //= 2
+        w = w // 2 // block_v * block_v  # whole tiles: the live grid is read a tile at a time
     groups = [0]
     R = 1 << max(0, (p.n - 1).bit_length() - 1)  # the largest power of two below n
     while R >= ROW_GROUP_MIN:
@@ -346,7 +346,7 @@ def chunked_shape(p: Problem, block_v: int, chunk_v: int, budget: int | None, ex
             return w, False, 0
         if w // 2 < max(block_v, 256):
             return floor, False, 0
-        w //= 2
+        w = w // 2 // block_v * block_v
 
 
 def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):

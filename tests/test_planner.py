@@ -115,6 +115,11 @@ def test_rows_go_in_groups_before_de_leaves_fp32_as_the_budget_shrinks():
     small = planner.chunked_shape(p, 128, 4096, planner.chunked_bytes(p, 2048, False, True), exact=False)
     assert small == (2048, False, 0)
     assert planner.chunked_shape(p, 128, 4096, 64 * MiB, exact=True)[1]  # exact keeps its fp32 dE
+    # Chunks are whole tiles whatever V (the live grid is read a tile at a time): 896 -> 384, not 448.
+    for V in (896, 3500, 7000):
+        q = Problem(n=32768, n_all=32768, V=V, D=896, elem=2, grad_bytes=2 * (32768 + V) * 896)
+        for budget in (None, 10 * MiB, 60 * MiB, 200 * MiB, planner.chunked_bytes(q, 448, False, True)):
+            assert planner.chunked_shape(q, 128, 4096, budget, exact=False)[0] % 128 == 0, (V, budget)
 
 
 @pytest.mark.parametrize("n, V, D", [(32768, 151936, 896), (32768, 128256, 4096), (32768, 50257, 768),
