@@ -324,7 +324,7 @@ def _backward_tiles_windowed(e, c, bias, rows: RowLayout, target_pos, targets, l
     """The tile kernel over the live tiles, one vocabulary window of ``plan.window_v`` walked
     positions at a time, so that the fp32 dC scratch is window x D instead of V x D: each window's
     dC rows are rounded into dC once its tiles are done. dE keeps its fp32 scratch (n x D)."""
-    n, D = rows.n, e.shape[-1]
+    D = e.shape[-1]
     V = c.shape[0]
     dev = e.device
     W = plan.window_v
@@ -425,29 +425,36 @@ def _backward_sparse(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef
     return de, dc, dbias
 
 
-_FP32_OUT_MM: list = []  # the way _add_matmul_fp32 found to work, decided on its first CUDA call
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+def _mm_add_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+
+
+_FP32_WAYS = (_addmm_fp32, _mm_add_fp32)
+_FP32_OUT_MM: list = []  # the way _add_matmul_fp32 found to work on its first CUDA call (None: neither)
 
 
 def _add_matmul_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (fp32) += a @ b, where 16-bit a, b are multiplied by cuBLAS into an fp32 result (no
-    rounding of the partial product to 16 bits) where this PyTorch offers it (addmm/mm out_dtype)."""
-    ways = {
-        "addmm": lambda: torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc),
-        "mm": lambda: acc.add_(torch.mm(a, b, out_dtype=torch.float32)),
-    }
+    rounding of the partial product to 16 bits) where this PyTorch offers it (addmm/mm out_dtype).
+    (Called once per block of the chunked strategy: no per-call closures.)"""
     if a.dtype != torch.float32 and a.is_cuda:
-        if not _FP32_OUT_MM:  # first call: find the first way this PyTorch supports
-            for name, way in ways.items():
+        if _FP32_OUT_MM:
+            if _FP32_OUT_MM[0] is not None:
+                _FP32_OUT_MM[0](acc, a, b)
+                return
+        else:  # first call: find the first way this PyTorch supports
+            for way in _FP32_WAYS:
                 try:
-                    way()
-                    _FP32_OUT_MM.append(name)
-                    return
+                    way(acc, a, b)
                 except (RuntimeError, TypeError):
                     continue
-            _FP32_OUT_MM.append("none")
-        elif _FP32_OUT_MM[0] in ways:
-            ways[_FP32_OUT_MM[0]]()
-            return
+                _FP32_OUT_MM.append(way)
+                return
+            _FP32_OUT_MM.append(None)
     elif a.dtype != acc.dtype:  # the CPU: the product of the upcast operands
         acc += a.float() @ b.float()
         return
@@ -495,8 +502,11 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
         # Row groups: dC[chunk] summed over the groups in fp32, one rounding when written.
         dc_part = torch.empty((W, D), dtype=torch.float32, device=dev) if len(groups) > 1 else None
         # Each group's rows of the per-row arguments, sliced once (views; launches dominate small blocks).
-        args = [(rows.offsets[g.lo:], target_pos[g.lo:], lse[g.lo:], coef_s[g.lo:], coef_t[g.lo:],
-                 live[g.lo // variant.block_b:] if use_live else lse) for g in groups]
+        args = [(rows.offsets[gr.lo:], target_pos[gr.lo:], lse[gr.lo:], coef_s[gr.lo:], coef_t[gr.lo:],
+                 live[gr.lo // variant.block_b:] if use_live else lse) for gr in groups]
+        # ... and its rows of E, of the dE accumulator and of g, for the products.
+        views = [(e2[gr.first : gr.first + gr.span], acc[gr.first : gr.first + gr.span], g_buf[: gr.span])
+                 for gr in groups]
         for k in range(n_chunks):
             lo = k * W
             w = min(W, V - lo)
@@ -524,9 +534,10 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
                 )
                 if grp.holes is not None:
                     g_buf.index_fill_(0, grp.holes, 0)  # rows another group wrote, not this group's
-                g = g_buf[: grp.span, :w]
-                e_rows = e2[grp.first : grp.first + grp.span]
-                _add_matmul(acc[grp.first : grp.first + grp.span], g, c_k)
+                e_rows, acc_g, g = views[j]
+                if w != W:
+                    g = g[:, :w]
+                _add_matmul(acc_g, g, c_k)
                 if dc_part is not None:
                     _add_matmul_fp32(dc_part[:w], g.T, e_rows)
                 elif cols is None:
