@@ -44,6 +44,7 @@ import re
 import sys
 import threading
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 __all__ = [
     "decide",
@@ -312,7 +313,12 @@ def chunked_shape(p: Problem, block_v: int, chunk_v: int, budget: int | None, ex
     fits is dE accumulated in its own dtype (the widest chunk that fits, halving down to 256
     columns; 1024 when none fits).  Exact gradients always keep the fp32 dE (their accuracy
     promise). ``row_group`` is 0 when all rows go in one block."""
-    costs = costs or COSTS["h200"]
+    return _chunked_shape(p, block_v, chunk_v, budget, exact, costs or COSTS["h200"])
+
+
+@lru_cache(maxsize=256)  # pure, and asked for several times per call (decide, each plan, the exact cost)
+def _chunked_shape(p: Problem, block_v: int, chunk_v: int, budget: int | None, exact: bool,
+                   costs: CostModel) -> tuple[int, bool, int]:
     top = max(block_v, min(chunk_v, -(-p.V // block_v) * block_v))
     floor = max(block_v, min(top, 1024))
     narrowest = max(block_v, 256)
@@ -625,8 +631,8 @@ def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="aut
             dropped = dropped_share(tile_map, lse, eps)
             host = torch.cat([dropped.view(1).double(), live.sum().view(1).double(), grid.double()]).tolist()  # one copy
             if host[0] <= MAX_DROPPED:
-                lossy = None
                 break
+        else:
             lossy = host[0]
         share = host[1] / max(1, live.numel())
         chunks = [bool(x) for x in host[2:]]
