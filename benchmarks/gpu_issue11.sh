@@ -12,6 +12,9 @@
 #            of cce_autotune, templates, tuned_configs), PyTorch beside them.
 #   PHASE=g  (one GPU) the shipped file against the built-in defaults at seven more heads, real data, B=8192.
 #   PHASE=h  (one GPU) the same at 32,768 tokens (real data) and at two LM-like heads.
+#   PHASE=i  (one GPU) the measured filter check: its tests on CUDA, then real data at B=8192 at the heads where
+#            the default filter missed dE 1e-2, this tree against the previous commit's package (carry .old_pkg),
+#            with the shipped file and with the built-in defaults.
 # State lives in /tmp/persist between the runs; each run packs it under $OUT. Carry .whl (optuna & deps).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc CCE_AUTOTUNE_DATA_DIR=/tmp/real
@@ -86,6 +89,15 @@ h)
        --methods torch,cce_autotune,cce_autotune_exact --reps 60 --out $OUT --tag lm > $OUT/lm.txt 2>&1
   CCE_AUTOTUNE_NO_CONFIGS=1 timeout 60 python3 -m cce_autotune.bench --data lm --shapes llama3,gemma2 --no-peers \
        --methods cce_autotune --reps 60 --out $OUT --tag lmnone > $OUT/lmnone.txt 2>&1
+  rm -f $OUT/*.png; grep -hE "fw\+bw" $OUT/*.txt | grep "ms " ;;
+i)
+  timeout 150 python3 -m pytest -q tests/test_accuracy.py tests/test_tile_map.py -k "accuracy or lowered or guard or estimate or verdict or choice or brute" -p no:cacheprovider 2>&1 | tail -2
+  S=${SHAPES:-8192:262144:1152,8192:262208:2560,8192:128256:3072,8192:151936:896}
+  B="timeout 240 python3 -m cce_autotune.bench --data real --shapes $S --no-peers --reps 60 --out $OUT"
+  CCE_AUTOTUNE_EXPLAIN=1 $B --methods torch,cce_autotune,cce_autotune_exact --tag new > $OUT/new.txt 2>&1
+  CCE_AUTOTUNE_NO_CONFIGS=1 CCE_AUTOTUNE_EXPLAIN=1 $B --methods cce_autotune --tag newnone > $OUT/newnone.txt 2>&1
+  (cd .old_pkg && PYTHONPATH=/tmp/site:$PWD $B --methods cce_autotune --tag old > $OUT/old.txt 2>&1
+   CCE_AUTOTUNE_NO_CONFIGS=1 PYTHONPATH=/tmp/site:$PWD $B --methods cce_autotune --tag oldnone > $OUT/oldnone.txt 2>&1)
   rm -f $OUT/*.png; grep -hE "fw\+bw" $OUT/*.txt | grep "ms " ;;
 e)  # (one GPU) the --data FILE path end to end: activations saved from real data, calibration on them, a study
   python3 -c "

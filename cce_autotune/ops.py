@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import kernels, planner, reference, vocab_order
+from . import accuracy, kernels, planner, reference, vocab_order
 from .codegen import interpreting
 from .variant import KernelVariants, VariantError
 
@@ -403,12 +403,26 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
             vocab_order.remember(c, order)  # the next forward of this classifier walks it
     ck = _kernel_classifier(e, c)
     prob = _planner_problem(e, c, bias, p, tmap)
-    plan, live, chunks, pause = planner.decide(prob, bw, p.filter_eps, tmap, lse_v, o.max_extra_memory,
-                                               _gpu(e.device), fused_allowed=_fused_allowed(p, e, ck),
-                                               deterministic=o.deterministic)
     eps = p.filter_eps
+    measured = None
+    if tmap is not None and eps is not None:
+        # The filter's measured cost in accuracy (a sample of rows against the map; remembered per
+        # classifier): lowered, or None (exact) when even the smallest candidate costs too much.
+        eps, _ = accuracy.choose_filter(e, c, bias, p.rows, p.targets, lse_v, p.softcap, tmap, bw.block_b,
+                                        bw.block_v, eps, planner.EPS_SCALES)
+        if eps != p.filter_eps:
+            measured = (f"filter_eps lowered to {eps:.2g} by the measured dE error (at most {accuracy.MAX_ERROR:g})"
+                        if eps is not None else
+                        f"every filter_eps down to {p.filter_eps * planner.EPS_SCALES[-1]:.2g} costs dE more than "
+                        f"{accuracy.MAX_ERROR:g} (measured): exact")
+    plan, live, chunks, pause = planner.decide(prob, bw, eps, tmap, lse_v, o.max_extra_memory,
+                                               _gpu(e.device), fused_allowed=_fused_allowed(p, e, ck),
+                                               deterministic=o.deterministic, why=measured)
+    measured_exact = measured is not None and eps is None
+    if measured_exact:
+        pause = True  # the forward stops walking and mapping until the next check
     if pause:
-        vocab_order.pause(c, planner.PAUSE_CALLS)
+        vocab_order.pause(c, accuracy.CHECK_EVERY if measured_exact else planner.PAUSE_CALLS)
         eps = None  # the planner's plan for this call filters nothing either
     elif plan.filter_eps is not None:
         eps = plan.filter_eps  # lowered by the planner's accuracy guard

@@ -600,7 +600,7 @@ EPS_SCALES = (1.0, 2.0**-4, 2.0**-8)
 
 
 def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="auto", gpu: str | None = None,
-           fused_allowed: bool = False, deterministic: bool = False):
+           fused_allowed: bool = False, deterministic: bool = False, why: str | None = None):
     """The plan of a call's backward, measured: ``(plan, live, chunks, pause)``.
 
     With the forward's ``tile_map`` (and filtering), the live grid is built on the device, the
@@ -610,7 +610,8 @@ def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="aut
     ``pause`` says that filtering cannot pay for this classifier now (see PAUSE_SHARE): its map
     showed so many live tiles that the forward and a mapped backward cost about as much as the
     best plan that filters nothing (the fused one where ``fused_allowed``); this call then runs
-    that exact plan too (``plan`` has no map), and the caller pauses the classifier."""
+    that exact plan too (``plan`` has no map), and the caller pauses the classifier. ``why``: how the
+    caller chose ``filter_eps`` (its measured check), put before the plan's reason."""
     import torch
 
     from .tile_map import dropped_share, live_grid
@@ -650,6 +651,8 @@ def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="aut
         plan = replace(plan, filter_eps=eps, reason=f"filter_eps lowered to {eps:.2g} (at {filter_eps:.2g} the filter "
                                                     f"would drop more than {MAX_DROPPED:g} of the gradient's mass); "
                        + plan.reason)
+    if why:  # how the caller chose filter_eps (the measured check of cce_autotune.accuracy)
+        plan = replace(plan, reason=why + "; " + plan.reason)
     pause = False
     if plan.use_map and variant.strategy == "auto":
         pause = costs.forward + plan.cost >= PAUSE_SHARE * unfiltered_cost(p, variant, budget, costs, fused_allowed)

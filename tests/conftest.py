@@ -22,13 +22,16 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 @pytest.fixture(autouse=True)
 def _forget_vocab_orders():
-    """Each test starts without remembered vocabulary orders (a stale one only costs speed, but
-    tests should not depend on which tensors an earlier test left at an address)."""
-    from cce_autotune import vocab_order
+    """Each test starts without remembered vocabulary orders or filter checks (a stale one only
+    costs speed or accuracy margin, but tests should not depend on which tensors an earlier test left
+    at an address)."""
+    from cce_autotune import accuracy, vocab_order
 
     vocab_order.clear()
+    accuracy.clear()
     yield
     vocab_order.clear()
+    accuracy.clear()
 
 
 @pytest.fixture
@@ -40,9 +43,10 @@ def device():
 def no_accuracy_guard(monkeypatch):
     """Filter at exactly the variant's filter_eps, however much it drops: for tests of the skipping
     machinery with deliberately coarse filters (the planner's guard would lower them)."""
-    from cce_autotune import planner
+    from cce_autotune import accuracy, planner
 
     monkeypatch.setattr(planner, "MAX_DROPPED", float("inf"))
+    monkeypatch.setattr(accuracy, "MAX_ERROR", float("inf"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -300,10 +300,12 @@ def test_accuracy_guard_lowers_the_filter_or_runs_exact(device, monkeypatch):
     assert plan.filter_eps is None and plan.use_map and not pause
 
 
-def test_lowered_filter_reaches_the_kernels_and_keeps_the_gradient_accurate(device, monkeypatch):
-    # A flat softmax and a coarse filter (2^-6): unguarded it drops much of the gradient; the guard
-    # lowers the filter, the kernels run with the lowered one, and dE is far closer to the oracle.
-    from cce_autotune import planner
+@pytest.mark.parametrize("guard", ["dropped", "measured"])
+def test_lowered_filter_reaches_the_kernels_and_keeps_the_gradient_accurate(guard, device, monkeypatch):
+    # A flat softmax and a coarse filter (2^-6): unguarded it drops much of the gradient; each guard
+    # alone (the map's dropped-mass bound; the measured check of cce_autotune.accuracy) lowers the
+    # filter, the kernels run with the lowered one, and dE is far closer to the oracle.
+    from cce_autotune import accuracy, planner
 
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
@@ -311,17 +313,27 @@ def test_lowered_filter_reaches_the_kernels_and_keeps_the_gradient_accurate(devi
     seen = []
     real = kernels.backward
     monkeypatch.setattr(kernels, "backward", lambda *a, **k: (seen.append((a[10], a[12])), real(*a, **k))[1])
+    monkeypatch.setattr(accuracy, "MAX_ERROR", float("inf") if guard == "dropped" else 2e-3)
+    if guard == "measured":
+        monkeypatch.setattr(planner, "MAX_DROPPED", float("inf"))
     errs = {}
-    for guard in (True, False):
-        if not guard:
+    for on in (True, False):
+        if not on:
             monkeypatch.setattr(planner, "MAX_DROPPED", float("inf"))
+            monkeypatch.setattr(accuracy, "MAX_ERROR", float("inf"))
         ee, cc = e.clone().requires_grad_(), c.clone()
         prime_order(cc, ee, "sorted")
         linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
-        errs[guard] = rel_err(ee.grad, ref[0])
+        errs[on] = rel_err(ee.grad, ref[0])
         eps, plan = seen[-1]
-        if guard:
+        if not on:
+            assert plan.use_map and eps == 2.0**-6
+        elif guard == "dropped":
             assert plan.use_map and plan.filter_eps is not None and eps == plan.filter_eps < 2.0**-6
         else:
-            assert plan.use_map and eps == 2.0**-6
+            assert eps is None or eps < 2.0**-6, eps
+            assert "measured" in plan.reason
+            # All 64 rows are sampled: the check's estimate is the filter's whole error (fp32 inputs,
+            # so rounding adds nothing), and the chosen filter keeps within it.
+            assert errs[on] <= 1.05 * accuracy.MAX_ERROR + 1e-6, errs
     assert errs[True] < 0.25 * errs[False], errs

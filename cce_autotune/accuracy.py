@@ -1,0 +1,215 @@
+"""What a filter costs in accuracy, measured on a sample of rows: the relative error that skipping a
+backward's negligible tiles puts into dE.
+
+The tile map's bound (:func:`cce_autotune.tile_map.dropped_share`) bounds the softmax *mass* a
+filter drops, not what that mass does to dE: row i loses ``sum_j p_ij C_j`` over its dropped
+columns j, and the rare rows of a trained classifier share a direction, so those terms add up
+instead of cancelling. On hidden states of a model trained on real text a filter that drops 5 % of
+the mass gave dE errors of 1e-2 .. 4e-2 (H200, B = 8192), while on LM-like data 12 % gave 7e-3.
+
+So the error is measured. :func:`choose_filter` takes :data:`ROWS` rows spread over the call,
+recomputes their logits against the whole vocabulary (fp32 results, a vocabulary chunk at a time),
+marks the softmax terms in the tiles that the live grid of the forward's tile map skips at each
+candidate filter (:func:`map_dead`: exactly what the chunked strategy skips; the tile strategies'
+own filter may skip a little more where the forward's tiles are wider than the backward's), and
+compares ``||dE_dropped||`` with ``||dE||`` over those rows (:func:`filter_errors`). On the H200
+(bf16, B = 8192, four heads, real and LM-like data) 256 rows estimated the whole call's error within
+about 10 %, and all 8192 rows within 2 %.
+
+The check costs two (ROWS x V x D) products per candidate measured: 4 to 10 ms at V = 128k .. 262k.
+The backward runs it on the first mapped call of a classifier and then every :data:`CHECK_EVERY`
+calls, and remembers which candidate passed (:func:`remembered`, :func:`remember`), keyed like
+:mod:`cce_autotune.vocab_order` (a training step's in-place update keeps the key; the classifier
+changes slowly between steps). When no candidate passes the call runs exact and the classifier is
+paused for CHECK_EVERY calls, so the forward stops building maps until the next check.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+__all__ = ["choose_filter", "filter_errors", "map_dead", "column_tiles", "sample_rows", "remembered", "remember",
+           "clear", "ROWS", "CHECK_EVERY", "MAX_ERROR"]
+
+# Rows sampled per check (whole row blocks of the backward's tiling).
+ROWS = 256
+# Backward calls of a classifier between two checks.
+CHECK_EVERY = 32
+# The largest estimated relative dE error a filter may cause. The gate the tuner applies to the
+# whole dE is 1e-2; bf16 rounding adds about 2e-3 (exact mode), in quadrature, and the sample's
+# noise was within 20 % on the H200 heads.
+MAX_ERROR = 7e-3
+# Vocabulary columns per chunk of the check.
+CHUNK_V = 16384
+
+
+def sample_rows(n: int, rows: int = ROWS) -> torch.Tensor:
+    """int64 positions of at most ``rows`` rows evenly spread over ``n``."""
+    return torch.linspace(0, max(0, n - 1), max(1, min(n, rows))).round().long().unique()
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with an fp32 (fp64) result, ``b`` in ``a``'s dtype first (a wider classifier is
+    rounded as the kernels round it); 16-bit operands stay 16-bit (fp32 accumulation) on CUDA."""
+    b = b.to(a.dtype)
+    if a.dtype == torch.float32 or a.dtype == torch.float64:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # an older PyTorch: no out_dtype
+            pass
+    return a.float() @ b.float()
+
+
+def column_tiles(V: int, block_v: int, perm: torch.Tensor | None, device) -> torch.Tensor:
+    """(V,) int64: the backward tile of each vocabulary entry when it walks ``perm`` (position p is
+    entry perm[p]; None: the natural order)."""
+    if perm is None:
+        return torch.arange(V, device=device) // block_v
+    tile = torch.empty(V, dtype=torch.long, device=device)
+    tile[perm.long()] = torch.arange(V, device=device) // block_v
+    return tile
+
+
+def map_dead(tmap, lse: torch.Tensor, rows: torch.Tensor, eps_list, V: int, block_b: int, block_v: int) -> torch.Tensor:
+    """(len(eps_list), len(rows), tiles) bool: the tiles of the backward's tiling that the live grid
+    of the forward's tile map skips, for the rows at positions ``rows`` (any rows: the grid is per
+    row block), per candidate filter. ``lse``: every row's (infinite where ignored)."""
+    from .tile_map import live_grid
+
+    blocks = rows // block_b
+    return torch.stack([~live_grid(tmap, lse, float(eps), V, block_b, block_v)[blocks] for eps in eps_list])
+
+
+def _probs(e_rows, c, bias, softcap, lse_f, w, v0, v1):
+    """Softmax values (rows x columns v0..v1, fp32 or fp64) and tanh(z / softcap) or None."""
+    z = _mm32(e_rows, c[v0:v1].T)
+    if bias is not None:
+        z = z + bias[v0:v1].to(z.dtype)
+    t = None
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = softcap * t
+    return torch.exp(z - lse_f[:, None]) * w[:, None], t
+
+
+def _weights(lse: torch.Tensor):
+    lse = lse.float() if lse.dtype != torch.float64 else lse
+    w = torch.isfinite(lse).to(lse.dtype)  # rows with a gradient
+    return torch.where(w > 0, lse, torch.zeros_like(lse)), w
+
+
+def filter_errors(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                  lse: torch.Tensor, softcap: float | None, col_tile: torch.Tensor, dead: torch.Tensor,
+                  chunk_v: int = CHUNK_V) -> torch.Tensor:
+    """(m,) fp32 on the rows' device: for each of ``dead``'s m candidates, the relative L2 error that
+    dropping the softmax terms of its dead tiles puts into the sampled rows' dE.
+
+    ``e_rows`` (S, D), ``targets``, ``lse`` (S,): the sampled rows (an infinite LSE marks a row
+    without gradient); ``col_tile`` (V,): each vocabulary entry's tile (:func:`column_tiles`);
+    ``dead`` (m, S, tiles) bool: e.g. :func:`map_dead`. A target's onehot term
+    is never dropped (the kernels add it outside a skipped tile)."""
+    S, D = e_rows.shape
+    V = c.shape[0]
+    m = dead.shape[0]
+    lse_f, w = _weights(lse)
+    out = torch.zeros(((m + 1) * S, D), dtype=torch.float32, device=e_rows.device)
+    for v0 in range(0, V, chunk_v):
+        v1 = min(V, v0 + chunk_v)
+        p, t = _probs(e_rows, c, bias, softcap, lse_f, w, v0, v1)
+        if t is not None:
+            p = p * (1 - t * t)
+        at = (targets - v0).clamp(0, v1 - v0 - 1).long()[:, None]
+        hit = ((targets >= v0) & (targets < v1)).to(p.dtype) * w
+        if t is not None:
+            hit = hit * (1 - t.gather(1, at).squeeze(1) ** 2)
+        g = p.scatter_add(1, at, -hit[:, None])  # the whole gradient: softmax minus onehot
+        d = dead.gather(2, col_tile[v0:v1].expand(m, S, -1))  # (m, S, columns)
+        stack = torch.cat([g[None], torch.where(d, p[None], 0.0)]).view((m + 1) * S, v1 - v0)
+        out += _mm32(stack.to(e_rows.dtype), c[v0:v1])
+        del p, g, d, stack
+    norms = out.view(m + 1, S * D).norm(dim=1)
+    return norms[1:] / norms[0].clamp_min(1e-30)
+
+
+def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: torch.Tensor,
+                  lse: torch.Tensor, softcap, tmap, block_b: int, block_v: int, filter_eps: float,
+                  scales) -> tuple[float | None, bool]:
+    """``(filter_eps, checked)``: the largest of ``filter_eps * scales`` whose measured dE error on
+    this call stays within :data:`MAX_ERROR`, or None (none does: run exact), for a backward that
+    launches from the forward's tile map ``tmap``; remembered per classifier and measured again every
+    :data:`CHECK_EVERY` calls (``checked`` says this call measured).
+
+    ``e`` (any shape, rows of D), ``rows`` (n,): the row of e of each position; ``targets``,
+    ``lse`` (n,): every position's (the LSE infinite where ignored). The candidates are measured
+    lazily: the call's own filter first, the smaller ones only if it fails."""
+    if not MAX_ERROR < float("inf"):
+        return filter_eps, False
+    cands = [filter_eps * s for s in scales]
+    choice = remembered(c, filter_eps)
+    checked = choice is None
+    if checked:
+        n, V = rows.shape[0], c.shape[0]
+        idx = sample_rows(n).to(rows.device)
+        e_rows = e.reshape(-1, e.shape[-1])[rows[idx]]
+        tile = column_tiles(V, block_v, tmap.perm, e.device)
+        t_s, lse_s = targets[idx], lse[idx]
+
+        def errors(eps_list):
+            dead = map_dead(tmap, lse, idx, eps_list, V, block_b, block_v)
+            return filter_errors(e_rows, c, bias, t_s, lse_s, softcap, tile, dead).tolist()
+
+        choice = len(cands)
+        if errors(cands[:1])[0] <= MAX_ERROR:
+            choice = 0
+        elif len(cands) > 1:
+            choice = next((i + 1 for i, x in enumerate(errors(cands[1:])) if x <= MAX_ERROR), len(cands))
+        if choice < len(cands):  # (an exact verdict is not remembered: the caller pauses the classifier)
+            remember(c, filter_eps, choice)
+    return (cands[choice] if choice < len(cands) else None), checked
+
+
+# ----------------------------------------------------------------------------------------------
+# Which candidate passed, remembered per classifier
+
+MAX_ENTRIES = 8
+_lock = threading.Lock()
+_memo: "OrderedDict[tuple, list]" = OrderedDict()  # key -> [filter_eps asked, choice, calls left]
+
+
+def _key(c: torch.Tensor) -> tuple:
+    return (str(c.device), c.data_ptr(), tuple(c.shape), tuple(c.stride()), c.dtype)
+
+
+def remembered(c: torch.Tensor, filter_eps: float) -> int | None:
+    """The candidate index last chosen for classifier ``c`` at ``filter_eps`` (one call fewer left),
+    or None when a check is due (none remembered, another filter asked, or its calls used up)."""
+    key = _key(c)
+    with _lock:
+        entry = _memo.get(key)
+        if entry is None or entry[0] != filter_eps or entry[2] <= 0:
+            return None
+        entry[2] -= 1
+        _memo.move_to_end(key)
+        return entry[1]
+
+
+def remember(c: torch.Tensor, filter_eps: float, choice: int, calls: int | None = None) -> None:
+    """Keep ``choice`` for the next ``calls`` (default :data:`CHECK_EVERY`) backward calls of
+    classifier ``c`` at ``filter_eps``."""
+    calls = CHECK_EVERY if calls is None else calls
+    with _lock:
+        _memo[_key(c)] = [filter_eps, choice, calls]
+        _memo.move_to_end(_key(c))
+        while len(_memo) > MAX_ENTRIES:
+            _memo.popitem(last=False)
+
+
+def clear() -> None:
+    """Forget every remembered choice (the next call of each classifier checks afresh)."""
+    with _lock:
+        _memo.clear()

@@ -1,0 +1,120 @@
+"""The measured filter check (cce_autotune.accuracy): its estimate against a brute-force oracle and
+against the kernels' own error, and the choice it remembers per classifier."""
+
+import math
+
+import pytest
+import torch
+
+from cce_autotune import accuracy, kernels, linear_cross_entropy, planner, vocab_order
+from helpers import grads_of, make_inputs, rel_err, torch_loss
+from test_loss import prime_order
+from test_tile_map import MAPPED, _forward_map
+
+
+def _brute_force(e, c, bias, t, lse, softcap, tile, block_b, eps):
+    """float64: ||dE of the softmax terms in tiles whose whole row block stays below eps|| / ||dE||."""
+    z = e @ c.T + (bias if bias is not None else 0)
+    th = torch.tanh(z / softcap) if softcap else None
+    if softcap:
+        z = softcap * th
+    p = torch.exp(z - torch.where(torch.isfinite(lse), lse, 0)[:, None]) * torch.isfinite(lse)[:, None]
+    d = 1 - th * th if softcap else torch.ones_like(p)
+    g = p.clone()
+    g[torch.arange(len(t)), t] -= torch.isfinite(lse).double()
+    g = g * d
+    dead = torch.zeros_like(p, dtype=torch.bool)
+    for b0 in range(0, e.shape[0], block_b):
+        for k in range(int(tile.max()) + 1):
+            cols = tile == k
+            if p[b0 : b0 + block_b][:, cols].max() < eps:
+                dead[b0 : b0 + block_b, cols] = True
+    return float(((p * d * dead) @ c).norm() / (g @ c).norm())
+
+
+@pytest.mark.parametrize("softcap, with_bias", [(None, False), (30.0, True)])
+def test_filter_errors_against_brute_force(softcap, with_bias):
+    torch.manual_seed(0)
+    n, V, D, bb, bv = 48, 200, 24, 4, 8
+    e, c = torch.randn(n, D, dtype=torch.float64), 1.5 * torch.randn(V, D, dtype=torch.float64)
+    t = torch.randint(0, V, (n,))
+    bias = 0.1 * torch.randn(V, dtype=torch.float64) if with_bias else None
+    z = e @ c.T + (bias if bias is not None else 0)
+    lse = torch.logsumexp(softcap * torch.tanh(z / softcap) if softcap else z, 1)
+    lse[5] = math.inf  # an ignored row: no gradient, dropped or not
+    perm = torch.randperm(V).to(torch.int32)
+    tile = accuracy.column_tiles(V, bv, perm, "cpu")
+    eps = [1e-2, 1e-4, 1e-5]
+    p = torch.softmax(softcap * torch.tanh(z / softcap) if softcap else z, 1) * torch.isfinite(lse)[:, None]
+    tmax = torch.zeros(n // bb, int(tile.max()) + 1, dtype=torch.float64)
+    tmax.scatter_reduce_(1, tile.expand(n // bb, -1), p.view(n // bb, bb, V).amax(1), reduce="amax")
+    dead = torch.stack([(tmax < x).repeat_interleave(bb, dim=0) for x in eps])  # (candidates, rows, tiles)
+    got = accuracy.filter_errors(e, c, bias, t, lse, softcap, tile, dead, chunk_v=64).tolist()
+    want = [_brute_force(e, c, bias, t, lse, softcap, tile, bb, x) for x in eps]
+    assert want[0] > 1e-3 and want[0] > want[1] > want[2]  # the data drops something at each filter
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-12)
+
+
+def test_estimate_is_the_kernels_error(device, no_accuracy_guard, monkeypatch):
+    # Every row sampled, fp32 inputs: the estimate from the forward's map is the error the mapped
+    # backward's skipping puts into dE, measured against the float64 oracle (the chunked strategy
+    # skips by the map alone; the tile strategies' own filter may skip a little more where the
+    # forward's tiles are wider than the backward's, as here: there the estimate is a lower bound).
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked"))
+    _, ref = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
+    seen = {}
+    real = planner.decide
+    monkeypatch.setattr(planner, "decide", lambda *a, **k: (seen.update(tmap=a[3], lse=a[4]), real(*a, **k))[1])
+    ee, cc = e.clone().requires_grad_(), c.clone()
+    prime_order(cc, ee, "sorted")
+    linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
+    actual = rel_err(ee.grad, ref[0])
+    rows = torch.arange(64, device=device)
+    tile = accuracy.column_tiles(512, kv.backward.block_v, seen["tmap"].perm, device)
+    dead = accuracy.map_dead(seen["tmap"], seen["lse"], rows, [2.0**-6], 512, kv.backward.block_b, kv.backward.block_v)
+    est = accuracy.filter_errors(e, c, None, t, seen["lse"], None, tile, dead).item()
+    assert actual > 1e-3  # the filter drops something
+    assert est == pytest.approx(actual, rel=0.05)
+
+
+def test_choice_is_remembered_and_measured_again(device, monkeypatch):
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
+    lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
+    rows = torch.arange(64, device=device)
+    calls = []
+    real = accuracy.filter_errors
+    monkeypatch.setattr(accuracy, "filter_errors", lambda *a, **k: (calls.append(a[-1].shape[0]), real(*a, **k))[1])
+    monkeypatch.setattr(accuracy, "MAX_ERROR", 1e-4)
+    monkeypatch.setattr(accuracy, "CHECK_EVERY", 3)
+
+    def choose(eps):
+        return accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, eps, (1.0, 2.0**-4, 2.0**-8))
+
+    eps, checked = choose(2.0**-6)
+    assert checked and eps in (2.0**-10, 2.0**-14) and calls == [1, 2]  # own filter fails, the rest measured
+    for _ in range(3):  # remembered for CHECK_EVERY calls, then measured again
+        assert choose(2.0**-6) == (eps, False)
+    assert choose(2.0**-6) == (eps, True) and len(calls) == 4
+    assert choose(2.0**-20) == (2.0**-20, True)  # another filter asked: measured (and it passes)
+    monkeypatch.setattr(accuracy, "MAX_ERROR", -1.0)  # nothing passes
+    accuracy.clear()
+    assert choose(2.0**-6) == (None, True) and choose(2.0**-6) == (None, True)  # exact is never remembered
+    monkeypatch.setattr(accuracy, "MAX_ERROR", math.inf)
+    n = len(calls)
+    assert choose(2.0**-6) == (2.0**-6, False) and len(calls) == n  # the check off: nothing measured
+
+
+def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch):
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
+    monkeypatch.setattr(accuracy, "MAX_ERROR", -1.0)  # nothing passes
+    seen = []
+    real = kernels.backward
+    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (seen.append((a[10], a[12])), real(*a, **k))[1])
+    ee, cc = e.clone().requires_grad_(), c.clone()
+    prime_order(cc, ee, "sorted")
+    linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
+    eps, plan = seen[-1]
+    assert eps is None and not plan.use_map and "measured" in plan.reason
+    assert vocab_order.paused(cc)  # the next forwards neither walk nor map until the next check
