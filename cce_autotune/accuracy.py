@@ -105,26 +105,31 @@ def _weights(lse: torch.Tensor):
 
 def filter_errors(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                   lse: torch.Tensor, softcap: float | None, col_tile: torch.Tensor, dead: torch.Tensor,
+                  coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None,
                   chunk_v: int = CHUNK_V) -> torch.Tensor:
     """(m,) fp32 on the rows' device: for each of ``dead``'s m candidates, the relative L2 error that
     dropping the softmax terms of its dead tiles puts into the sampled rows' dE.
 
     ``e_rows`` (S, D), ``targets``, ``lse`` (S,): the sampled rows (an infinite LSE marks a row
     without gradient); ``col_tile`` (V,): each vocabulary entry's tile (:func:`column_tiles`);
-    ``dead`` (m, S, tiles) bool: e.g. :func:`map_dead`. A target's onehot term
-    is never dropped (the kernels add it outside a skipped tile)."""
+    ``dead`` (m, S, tiles) bool: e.g. :func:`map_dead`; ``coef_s``, ``coef_t`` (S,): the rows'
+    gradient coefficients, ``g = coef_s * softmax - coef_t * onehot`` (token weights, reduction,
+    z-loss, label smoothing; default 1). A target's onehot term is never dropped (the kernels add it
+    outside a skipped tile)."""
     S, D = e_rows.shape
     V = c.shape[0]
     m = dead.shape[0]
     lse_f, w = _weights(lse)
+    ws = w if coef_s is None else w * coef_s.to(w.dtype)
+    wt = w if coef_t is None else w * coef_t.to(w.dtype)
     out = torch.zeros(((m + 1) * S, D), dtype=torch.float32, device=e_rows.device)
     for v0 in range(0, V, chunk_v):
         v1 = min(V, v0 + chunk_v)
-        p, t = _probs(e_rows, c, bias, softcap, lse_f, w, v0, v1)
+        p, t = _probs(e_rows, c, bias, softcap, lse_f, ws, v0, v1)
         if t is not None:
             p = p * (1 - t * t)
         at = (targets - v0).clamp(0, v1 - v0 - 1).long()[:, None]
-        hit = ((targets >= v0) & (targets < v1)).to(p.dtype) * w
+        hit = ((targets >= v0) & (targets < v1)).to(p.dtype) * wt
         if t is not None:
             hit = hit * (1 - t.gather(1, at).squeeze(1) ** 2)
         g = p.scatter_add(1, at, -hit[:, None])  # the whole gradient: softmax minus onehot
@@ -138,15 +143,17 @@ def filter_errors(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | No
 
 def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: torch.Tensor,
                   lse: torch.Tensor, softcap, tmap, block_b: int, block_v: int, filter_eps: float,
-                  scales) -> tuple[float | None, bool]:
+                  scales, coef_s: torch.Tensor | None = None,
+                  coef_t: torch.Tensor | None = None) -> tuple[float | None, bool]:
     """``(filter_eps, checked)``: the largest of ``filter_eps * scales`` whose measured dE error on
     this call stays within :data:`MAX_ERROR`, or None (none does: run exact), for a backward that
     launches from the forward's tile map ``tmap``; remembered per classifier and measured again every
     :data:`CHECK_EVERY` calls (``checked`` says this call measured).
 
     ``e`` (any shape, rows of D), ``rows`` (n,): the row of e of each position; ``targets``,
-    ``lse`` (n,): every position's (the LSE infinite where ignored). The candidates are measured
-    lazily: the call's own filter first, the smaller ones only if it fails."""
+    ``lse`` (n,): every position's (the LSE infinite where ignored); ``coef_s``, ``coef_t`` (n,):
+    the gradient's coefficients (see :func:`filter_errors`). The candidates are measured lazily: the
+    call's own filter first, the smaller ones only if it fails."""
     if not MAX_ERROR < float("inf"):
         return filter_eps, False
     cands = [filter_eps * s for s in scales]
@@ -158,10 +165,12 @@ def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, ta
         e_rows = e.reshape(-1, e.shape[-1])[rows[idx]]
         tile = column_tiles(V, block_v, tmap.perm, e.device)
         t_s, lse_s = targets[idx], lse[idx]
+        cs = coef_s[idx] if coef_s is not None else None
+        ct = coef_t[idx] if coef_t is not None else None
 
         def errors(eps_list):
             dead = map_dead(tmap, lse, idx, eps_list, V, block_b, block_v)
-            return filter_errors(e_rows, c, bias, t_s, lse_s, softcap, tile, dead).tolist()
+            return filter_errors(e_rows, c, bias, t_s, lse_s, softcap, tile, dead, cs, ct).tolist()
 
         choice = len(cands)
         if errors(cands[:1])[0] <= MAX_ERROR:

@@ -409,7 +409,7 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         # The filter's measured cost in accuracy (a sample of rows against the map; remembered per
         # classifier): lowered, or None (exact) when even the smallest candidate costs too much.
         eps, _ = accuracy.choose_filter(e, c, bias, p.rows, p.targets, lse_v, p.softcap, tmap, bw.block_b,
-                                        bw.block_v, eps, planner.EPS_SCALES)
+                                        bw.block_v, eps, planner.EPS_SCALES, coef_s, coef_t)
         if eps != p.filter_eps:
             measured = (f"filter_eps lowered to {eps:.2g} by the measured dE error (at most {accuracy.MAX_ERROR:g})"
                         if eps is not None else

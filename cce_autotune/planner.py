@@ -451,13 +451,16 @@ last_plan: tuple | None = None  # (BackwardPlan, Problem) of the latest plan mad
 
 def report(plan: BackwardPlan, p: Problem) -> None:
     """Print the plan to stderr when ``$CCE_AUTOTUNE_EXPLAIN`` is set: every new (shape, strategy,
-    shape of groups) once, or every plan with ``$CCE_AUTOTUNE_EXPLAIN=all``."""
+    shape of groups, map or not, filter the accuracy checks chose) once, or every plan with
+    ``$CCE_AUTOTUNE_EXPLAIN=all``."""
     global last_plan
     last_plan = (plan, p)
     mode = os.environ.get(ENV_EXPLAIN, "").strip().lower()
     if mode in ("", "0", "false", "no"):
         return
-    key = (p.n, p.V, p.D, plan.strategy, plan.chunk_v, plan.row_group, plan.de_fp32, plan.window_v, plan.row_block)
+    measured = plan.reason.split(";")[0] if "measured" in plan.reason else ""
+    key = (p.n, p.V, p.D, plan.strategy, plan.chunk_v, plan.row_group, plan.de_fp32, plan.window_v, plan.row_block,
+           plan.use_map, plan.filter_eps, measured)
     if mode != "all":
         with _seen_lock:
             if key in _seen:

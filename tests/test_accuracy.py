@@ -12,16 +12,17 @@ from test_loss import prime_order
 from test_tile_map import MAPPED, _forward_map
 
 
-def _brute_force(e, c, bias, t, lse, softcap, tile, block_b, eps):
-    """float64: ||dE of the softmax terms in tiles whose whole row block stays below eps|| / ||dE||."""
+def _brute_force(e, c, bias, t, lse, softcap, tile, block_b, eps, cs, ct):
+    """float64: ||dE of the softmax terms in tiles whose whole row block stays below eps|| / ||dE||,
+    for the gradient cs * softmax - ct * onehot."""
     z = e @ c.T + (bias if bias is not None else 0)
     th = torch.tanh(z / softcap) if softcap else None
     if softcap:
         z = softcap * th
     p = torch.exp(z - torch.where(torch.isfinite(lse), lse, 0)[:, None]) * torch.isfinite(lse)[:, None]
     d = 1 - th * th if softcap else torch.ones_like(p)
-    g = p.clone()
-    g[torch.arange(len(t)), t] -= torch.isfinite(lse).double()
+    g = p * cs[:, None]
+    g[torch.arange(len(t)), t] -= torch.isfinite(lse).double() * ct
     g = g * d
     dead = torch.zeros_like(p, dtype=torch.bool)
     for b0 in range(0, e.shape[0], block_b):
@@ -29,7 +30,7 @@ def _brute_force(e, c, bias, t, lse, softcap, tile, block_b, eps):
             cols = tile == k
             if p[b0 : b0 + block_b][:, cols].max() < eps:
                 dead[b0 : b0 + block_b, cols] = True
-    return float(((p * d * dead) @ c).norm() / (g @ c).norm())
+    return float(((p * cs[:, None] * d * dead) @ c).norm() / (g @ c).norm())
 
 
 @pytest.mark.parametrize("softcap, with_bias", [(None, False), (30.0, True)])
@@ -49,8 +50,11 @@ def test_filter_errors_against_brute_force(softcap, with_bias):
     tmax = torch.zeros(n // bb, int(tile.max()) + 1, dtype=torch.float64)
     tmax.scatter_reduce_(1, tile.expand(n // bb, -1), p.view(n // bb, bb, V).amax(1), reduce="amax")
     dead = torch.stack([(tmax < x).repeat_interleave(bb, dim=0) for x in eps])  # (candidates, rows, tiles)
-    got = accuracy.filter_errors(e, c, bias, t, lse, softcap, tile, dead, chunk_v=64).tolist()
-    want = [_brute_force(e, c, bias, t, lse, softcap, tile, bb, x) for x in eps]
+    # Row coefficients as token weights / z-loss / label smoothing make them (the softmax and the
+    # onehot parts apart).
+    cs, ct = torch.rand(n, dtype=torch.float64) + 0.5, torch.rand(n, dtype=torch.float64)
+    got = accuracy.filter_errors(e, c, bias, t, lse, softcap, tile, dead, cs, ct, chunk_v=64).tolist()
+    want = [_brute_force(e, c, bias, t, lse, softcap, tile, bb, x, cs, ct) for x in eps]
     assert want[0] > 1e-3 and want[0] > want[1] > want[2]  # the data drops something at each filter
     assert got == pytest.approx(want, rel=1e-5, abs=1e-12)
 
@@ -84,7 +88,7 @@ def test_choice_is_remembered_and_measured_again(device, monkeypatch):
     rows = torch.arange(64, device=device)
     calls = []
     real = accuracy.filter_errors
-    monkeypatch.setattr(accuracy, "filter_errors", lambda *a, **k: (calls.append(a[-1].shape[0]), real(*a, **k))[1])
+    monkeypatch.setattr(accuracy, "filter_errors", lambda *a, **k: (calls.append(a[7].shape[0]), real(*a, **k))[1])
     monkeypatch.setattr(accuracy, "MAX_ERROR", 1e-4)
     monkeypatch.setattr(accuracy, "CHECK_EVERY", 3)
 
