@@ -20,7 +20,8 @@ steps on the Python standard library's source, on held-out text) runs on its own
 ``gpt2048``, ``gpt4096`` unless ``--shapes`` says otherwise. An activation file saved from a real run
 (``--data acts.pt``; :mod:`cce_autotune.activations`) runs on its own head with all its rows (or the
 B of a ``--shapes`` B:V:D triple); every method times the plain loss (the file's bias and softcap are
-not applied, since the peers take neither).
+not applied). ``--softcap S`` applies a logit softcap ``S * tanh(z / S)`` (Gemma 2's 30) in every
+method, the peers' included, and in the reference; the shape's name then ends in ``+softcapS``.
 
 ``--train`` times the training call sequence instead: for each real head and each loss method, the
 same pretrained small GPT takes ``--loop-steps`` further AdamW steps (bf16 autocast, fp32 master
@@ -163,72 +164,82 @@ class Method:
     classifier_dtype: torch.dtype | None = None  # its classifier leaf's dtype, if not the run's
 
 
-def _mixed_methods(methods: list[Method], dtype: torch.dtype) -> list[Method]:
+def _mixed_methods(methods: list[Method], dtype: torch.dtype, softcap: float | None = None) -> list[Method]:
     """``--classifier fp32`` (a mixed-precision loop's fp32 master classifier with 16-bit e): PyTorch
     under autocast; ours on the fp32 classifier (no copy), after casting it first (the workaround a
     same-dtype loss needs), and on a 16-bit classifier leaf (the all-16-bit call, for comparison);
     the peers, which need one dtype, on the cast classifier."""
-    out = [Method("torch", lambda e, c, t: _autocast_ce(e, c, t, dtype))]
+    out = [Method("torch", lambda e, c, t: _autocast_ce(e, c, t, dtype, softcap))]
     for m in methods:
         if m.name == "torch":
             continue
         if m.name.startswith("cce_autotune"):
             out.append(m)
             if m.name == "cce_autotune":
-                out.append(Method("cce_autotune_cast", lambda e, c, t: linear_cross_entropy(e, c.to(e.dtype), t)))
+                out.append(Method("cce_autotune_cast",
+                                  lambda e, c, t: linear_cross_entropy(e, c.to(e.dtype), t, softcap=softcap)))
                 out.append(Method("cce_autotune_all16", m.loss, classifier_dtype=dtype))
         else:
             out.append(Method(m.name, lambda e, c, t, f=m.loss: f(e, c.to(e.dtype), t), m.fused_backward))
     return out
 
 
-def _autocast_ce(e, c, t, dtype):
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """fp32 logits, softcapped as a model's head does (``softcap * tanh(z / softcap)``) when asked."""
+    z = logits.float()
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def _autocast_ce(e, c, t, dtype, softcap=None):
     with torch.autocast("cuda", dtype=dtype):
         logits = torch.nn.functional.linear(e, c)
-    return torch.nn.functional.cross_entropy(logits.float(), t)
+    return torch.nn.functional.cross_entropy(_capped(logits, softcap), t)
 
 
-def _methods(include_peers: bool) -> list[Method]:
+def _methods(include_peers: bool, softcap: float | None = None) -> list[Method]:
+    """The methods of a run, each computing the loss with ``softcap`` (None: plain logits)."""
+    sc = softcap
     ms = [
-        Method("torch", lambda e, c, t: torch.nn.functional.cross_entropy((e @ c.T).float(), t)),
-        Method("cce_autotune", lambda e, c, t: linear_cross_entropy(e, c, t)),
+        Method("torch", lambda e, c, t: torch.nn.functional.cross_entropy(_capped(e @ c.T, sc), t)),
+        Method("cce_autotune", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc)),
         # Every call as the first call of its classifier: no remembered vocabulary order, no tile map.
-        Method("cce_autotune_cold", lambda e, c, t: (vocab_order.clear(), linear_cross_entropy(e, c, t))[1]),
-        Method("cce_autotune_default", lambda e, c, t: linear_cross_entropy(e, c, t, variants=default_variants(e.element_size()))),
-        Method("cce_autotune_exact", lambda e, c, t: linear_cross_entropy(e, c, t, filter_eps=None)),
+        Method("cce_autotune_cold", lambda e, c, t: (vocab_order.clear(), linear_cross_entropy(e, c, t, softcap=sc))[1]),
+        Method("cce_autotune_default",
+               lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, variants=default_variants(e.element_size()))),
+        Method("cce_autotune_exact", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, filter_eps=None)),
         # The same gradient bits every run (chunked or fused backward, no float atomics).
-        Method("cce_autotune_deterministic", lambda e, c, t: linear_cross_entropy(e, c, t, deterministic=True)),
+        Method("cce_autotune_deterministic", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, deterministic=True)),
         # No memory budget: the planner may take the V x D fp32 scratch of the tile kernel, or large
         # logit blocks for the fused strategy (the speed that memory buys).
-        Method("cce_autotune_unlimited", lambda e, c, t: linear_cross_entropy(e, c, t, max_extra_memory=None)),
+        Method("cce_autotune_unlimited", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, max_extra_memory=None)),
     ]
     if not include_peers:
         return ms
     try:
         from cut_cross_entropy import linear_cross_entropy as apple
 
-        ms.append(Method("apple_cce", lambda e, c, t: apple(e, c, t)))
-        ms.append(Method("apple_cce_exact", lambda e, c, t: apple(e, c, t, impl="cce_exact")))
+        ms.append(Method("apple_cce", lambda e, c, t: apple(e, c, t, softcap=sc)))
+        ms.append(Method("apple_cce_exact", lambda e, c, t: apple(e, c, t, softcap=sc, impl="cce_exact")))
     except Exception as exc:  # not installed, or fails to import on this stack
         print(f"# apple cut-cross-entropy unavailable: {exc!r}", file=sys.stderr)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        liger = LigerFusedLinearCrossEntropyLoss()
+        liger = LigerFusedLinearCrossEntropyLoss(softcap=sc) if sc is not None else LigerFusedLinearCrossEntropyLoss()
         ms.append(Method("liger_flce", lambda e, c, t: liger(c, e, t), fused_backward=True))
     except Exception as exc:
         print(f"# liger-kernel unavailable: {exc!r}", file=sys.stderr)
     return ms
 
 
-def _reference(e, c, t):
+def _reference(e, c, t, softcap=None):
     """fp32 loss and gradients (chunked PyTorch path, fp32 matmuls without tf32)."""
     rows = torch.arange(e.shape[0], device=e.device)
     e32, c32 = e.float(), c.float()
-    lse, zt, _ = reference.forward(e32, c32, None, rows, t)
+    lse, zt, _ = reference.forward(e32, c32, None, rows, t, softcap)
     n = e.shape[0]
     coef = torch.full((n,), 1.0 / n, device=e.device)
-    de, dc, _ = reference.backward(e32, c32, None, rows, t, lse, coef, coef)
+    de, dc, _ = reference.backward(e32, c32, None, rows, t, lse, coef, coef, softcap)
     return (lse - zt).mean(), de, dc
 
 
@@ -237,17 +248,18 @@ def _rel(x, ref) -> float:
 
 
 def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_options=None,
-              classifier_dtype=None) -> list[dict]:
+              classifier_dtype=None, softcap=None) -> list[dict]:
     """Rows of the matmul floor and of each method's fw and fw+bw on one shape; ``data_options`` go to
     :func:`cce_autotune.data.make_data` (``steps`` for real data); ``classifier_dtype``: the
-    classifier's dtype when it is not e's (fp32 for a mixed-precision loop's master weight)."""
+    classifier's dtype when it is not e's (fp32 for a mixed-precision loop's master weight);
+    ``softcap``: the logit softcap the methods were made with (:func:`_methods`), for the reference."""
     dev = "cuda"
     e, c, t = make_data(data, B, V, D, dtype=dtype, device=dev, seed=0, **(data_options or {}))
     if classifier_dtype is not None:
         c = c.to(classifier_dtype)
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref_loss, ref_de, ref_dc = _reference(e, c, t)
+    ref_loss, ref_de, ref_dc = _reference(e, c, t, softcap)
     torch.backends.cuda.matmul.allow_tf32 = prev_tf32
     rows = []
     dname = str(dtype).replace("torch.", "")
@@ -454,6 +466,9 @@ def main(argv=None) -> int:
                     help="fp32: a mixed-precision loop's fp32 classifier with --dtype e (PyTorch under autocast, "
                          "ours without a copy, ours after casting, ours all-16-bit)")
     ap.add_argument("--no-peers", action="store_true", help="skip Apple's and Liger's kernels")
+    ap.add_argument("--softcap", type=float, default=None, metavar="S",
+                    help="logit softcap S * tanh(z / S) in every method and the reference (Gemma 2: 30); "
+                         "not with --train")
     ap.add_argument("--methods", default="", help="comma list to keep (default: all available)")
     ap.add_argument("--reps", type=int, default=200, help="do_bench repetition time per measurement, ms")
     ap.add_argument("--train-steps", type=int, default=300,
@@ -480,13 +495,17 @@ def main(argv=None) -> int:
         ap.error(f"--loop-steps: expected >= 1, got {args.loop_steps}")
     if args.train and args.dtype != "bf16":
         ap.error(f"--dtype: --train trains under bf16 autocast, got {args.dtype}")
+    if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
+        ap.error(f"--softcap: expected a positive number, got {args.softcap}")
+    if args.softcap is not None and args.train:
+        ap.error("--softcap: --train trains the real-data GPTs, whose head has no softcap")
     if not torch.cuda.is_available():
         print("cce-bench: no CUDA GPU found; the benchmark times GPU kernels", file=sys.stderr)
         return 2
     import triton
 
     dtype = TORCH_DTYPES[args.dtype]
-    methods = _methods(not args.no_peers)
+    methods = _methods(not args.no_peers, args.softcap)
     if args.train:  # ours after casting the master weight to the compute dtype (see run_train)
         methods.append(Method("cce_autotune_cast", lambda e, c, t: linear_cross_entropy(e, c, t)))
     classifier_dtype = None
@@ -494,7 +513,7 @@ def main(argv=None) -> int:
         if dtype == torch.float32:
             ap.error("--classifier fp32: needs a 16-bit --dtype")
         classifier_dtype = torch.float32
-        methods = _mixed_methods(methods, dtype)
+        methods = _mixed_methods(methods, dtype, args.softcap)
     if args.methods:
         keep = set(args.methods.split(","))
         methods = [m for m in methods if m.name in keep]
@@ -508,8 +527,10 @@ def main(argv=None) -> int:
                               loop_steps=args.loop_steps, log=log)
         else:
             options = {"steps": args.train_steps} if data == "real" else {}
+            if args.softcap is not None:
+                name = f"{name}+softcap{args.softcap:g}"
             rows += run_shape(name, B, V, D, data, dtype, methods, args.reps, meta, log=log, data_options=options,
-                              classifier_dtype=classifier_dtype)
+                              classifier_dtype=classifier_dtype, softcap=args.softcap)
     out = Path(args.out)
     stem = f"{'train' if args.train else 'bench'}_{meta['gpu'].replace(' ', '_')}{('_' + args.tag) if args.tag else ''}"
     write_csv(rows, out / f"{stem}.csv")

@@ -129,10 +129,38 @@ def test_bench_shapes_and_arguments(capsys):
         bench.parse_data("lm,reel")
     for argv, message in ((["--data", "reel"], "--data: 'reel'"), (["--train", "--dtype", "fp32"], "--dtype:"),
                           (["--train-steps", "-1"], "--train-steps:"),
-                          (["--train", "--shapes", "1000:300:32"], "--shapes: 1000x300x32 has B=1000")):
+                          (["--train", "--shapes", "1000:300:32"], "--shapes: 1000x300x32 has B=1000"),
+                          (["--softcap", "0"], "--softcap: expected a positive number"),
+                          (["--softcap", "nan"], "--softcap: expected a positive number"),
+                          (["--train", "--softcap", "30"], "--softcap: --train")):
         with pytest.raises(SystemExit) as exit_info:
             bench.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_bench_methods_and_reference_apply_the_softcap(softcap):
+    # Every method of a --softcap run computes the softcapped loss, and the reference it is checked
+    # against is the softcapped one (float64 oracle on the CPU: the PyTorch path of the loss).
+    g = torch.Generator().manual_seed(0)
+    e, c = torch.randn(48, 32, generator=g) / 2, torch.randn(300, 32, generator=g) / 2
+    t = torch.randint(0, 300, (48,), generator=g)
+    ed, cd = e.double().requires_grad_(), c.double().requires_grad_()
+    z = ed @ cd.T
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    want = torch.nn.functional.cross_entropy(z, t)
+    want.backward()
+    ref_loss, ref_de, ref_dc = bench._reference(e, c, t, softcap)
+    assert float(ref_loss) == pytest.approx(float(want), rel=1e-6)
+    assert float((ref_de - ed.grad).norm() / ed.grad.norm()) < 1e-5
+    assert float((ref_dc - cd.grad).norm() / cd.grad.norm()) < 1e-5
+    plain = float(torch.nn.functional.cross_entropy(e @ c.T, t))
+    for m in bench._methods(include_peers=False, softcap=softcap):
+        if m.name in ("torch", "cce_autotune", "cce_autotune_exact", "cce_autotune_default"):
+            assert float(m.loss(e, c, t)) == pytest.approx(float(want), rel=1e-5), m.name
+    if softcap:
+        assert abs(plain - float(want)) > 1e-2  # the cap changes this loss: the check above can fail
 
 
 def test_bench_train_loop_on_cpu(data_dir):
