@@ -15,6 +15,9 @@
 #   PHASE=i  (one GPU) the measured filter check: its tests on CUDA, then real data at B=8192 at the heads where
 #            the default filter missed dE 1e-2, this tree against the previous commit's package (carry .old_pkg),
 #            with the shipped file and with the built-in defaults.
+#   PHASE=j  (one GPU; prepared, not yet run) Gemma 2's softcapped heads on real data (cce-bench --softcap 30),
+#            shipped vs built-in; then Llama 3.2 3B's training loop with every plan printed (why its step is
+#            slower than PyTorch's while its loss alone is faster).
 # State lives in /tmp/persist between the runs; each run packs it under $OUT. Carry .whl (optuna & deps).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc CCE_AUTOTUNE_DATA_DIR=/tmp/real
@@ -99,6 +102,15 @@ i)
   (cd .old_pkg && PYTHONPATH=/tmp/site:$PWD $B --methods cce_autotune --tag old > $OUT/old.txt 2>&1
    CCE_AUTOTUNE_NO_CONFIGS=1 PYTHONPATH=/tmp/site:$PWD $B --methods cce_autotune --tag oldnone > $OUT/oldnone.txt 2>&1)
   rm -f $OUT/*.png; grep -hE "fw\+bw" $OUT/*.txt | grep "ms " ;;
+j)
+  S=8192:256000:2304,8192:256000:3584
+  B="timeout 200 python3 -m cce_autotune.bench --data real --shapes $S --softcap 30 --reps 50 --out $OUT"
+  CCE_AUTOTUNE_EXPLAIN=1 $B --methods torch,cce_autotune,cce_autotune_exact,apple_cce,liger_flce --tag gemma2 > $OUT/gemma2.txt 2>&1
+  CCE_AUTOTUNE_NO_CONFIGS=1 $B --no-peers --methods cce_autotune --tag gemma2none > $OUT/gemma2none.txt 2>&1
+  CCE_AUTOTUNE_EXPLAIN=all timeout 150 python3 -m cce_autotune.bench --train --shapes 8192:128256:3072 --no-peers \
+       --methods torch,cce_autotune,cce_autotune_exact --loop-steps 30 --out $OUT --tag train3b > $OUT/train3b.txt 2>&1
+  rm -f $OUT/*.png; grep -hE "fw\+bw|train_step" $OUT/*.txt | grep "ms "
+  grep "plan (" $OUT/train3b.txt | sed -E 's/est [0-9.]+ mm, //; s/[0-9.]+%/X%/g' | cut -c1-200 | sort | uniq -c | sort -rn | head ;;
 e)  # (one GPU) the --data FILE path end to end: activations saved from real data, calibration on them, a study
   python3 -c "
 import torch; from cce_autotune.data import make_data; from cce_autotune import save_activations
