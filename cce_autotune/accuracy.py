@@ -8,7 +8,8 @@ instead of cancelling. On hidden states of a model trained on real text a filter
 the mass gave dE errors of 1e-2 .. 4e-2 (H200, B = 8192), while on LM-like data 12 % gave 7e-3.
 
 So the error is measured. :func:`choose_filter` takes :data:`ROWS` rows spread over the call,
-recomputes their logits against the whole vocabulary (fp32 results, a vocabulary chunk at a time),
+recomputes their logits against the whole vocabulary (fp32 results, a vocabulary chunk at a time,
+chunks sized to :data:`CHECK_BYTES`),
 marks the softmax terms in the tiles that the live grid of the forward's tile map skips at each
 candidate filter (:func:`map_dead`: exactly what the chunked strategy skips; the tile strategies'
 own filter may skip a little more where the forward's tiles are wider than the backward's), and
@@ -31,8 +32,8 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["choose_filter", "filter_errors", "map_dead", "column_tiles", "sample_rows", "remembered", "remember",
-           "clear", "ROWS", "CHECK_EVERY", "MAX_ERROR"]
+__all__ = ["choose_filter", "filter_errors", "map_dead", "column_tiles", "sample_rows", "chunk_columns", "remembered",
+           "remember", "clear", "ROWS", "CHECK_EVERY", "MAX_ERROR", "CHECK_BYTES"]
 
 # Rows sampled per check (whole row blocks of the backward's tiling).
 ROWS = 256
@@ -42,8 +43,24 @@ CHECK_EVERY = 32
 # whole dE is 1e-2; bf16 rounding adds about 2e-3 (exact mode), in quadrature, and the sample's
 # noise was within 20 % on the H200 heads.
 MAX_ERROR = 7e-3
-# Vocabulary columns per chunk of the check.
-CHUNK_V = 16384
+# The check's transient memory, at most (its vocabulary chunks are sized to it: about 8,192 columns
+# for 256 rows and one candidate). It runs before the backward allocates anything, so the call's peak
+# is the larger of the two, not their sum.
+CHECK_BYTES = 64 * 2**20
+
+
+def chunk_columns(rows: int, candidates: int, V: int, max_bytes: int | None = None) -> int:
+    """Vocabulary columns per chunk of :func:`filter_errors` for ``rows`` sampled rows and
+    ``candidates`` filters: a power of two (256 .. 16,384, at most V rounded up) whose temporaries,
+    about ``rows * columns * (18 + 11 * candidates)`` bytes (the fp32 logits, softmax and gradient,
+    each candidate's masked copy and the 16-bit stack of all of them), stay within ``max_bytes``
+    (default :data:`CHECK_BYTES`)."""
+    cap = CHECK_BYTES if max_bytes is None else max_bytes
+    per_col = max(1, rows) * (18 + 11 * max(1, candidates))
+    w = 256
+    while w < 16384 and w < V and 2 * w * per_col <= cap:
+        w *= 2
+    return w
 
 
 def sample_rows(n: int, rows: int = ROWS) -> torch.Tensor:
@@ -106,7 +123,7 @@ def _weights(lse: torch.Tensor):
 def filter_errors(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                   lse: torch.Tensor, softcap: float | None, col_tile: torch.Tensor, dead: torch.Tensor,
                   coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None,
-                  chunk_v: int = CHUNK_V) -> torch.Tensor:
+                  chunk_v: int | None = None) -> torch.Tensor:
     """(m,) fp32 on the rows' device: for each of ``dead``'s m candidates, the relative L2 error that
     dropping the softmax terms of its dead tiles puts into the sampled rows' dE.
 
@@ -120,6 +137,8 @@ def filter_errors(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | No
     V = c.shape[0]
     m = dead.shape[0]
     lse_f, w = _weights(lse)
+    if chunk_v is None:
+        chunk_v = chunk_columns(S, m, V)
     ws = w if coef_s is None else w * coef_s.to(w.dtype)
     wt = w if coef_t is None else w * coef_t.to(w.dtype)
     out = torch.zeros(((m + 1) * S, D), dtype=torch.float32, device=e_rows.device)

@@ -122,3 +122,21 @@ def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch)
     eps, plan = seen[-1]
     assert eps is None and not plan.use_map and "measured" in plan.reason
     assert vocab_order.paused(cc)  # the next forwards neither walk nor map until the next check
+
+
+def test_check_chunks_stay_within_their_memory_and_do_not_change_the_estimate():
+    for rows, m, V in ((256, 1, 262144), (256, 2, 128256), (8192, 1, 50257), (16, 1, 300)):
+        w = accuracy.chunk_columns(rows, m, V)
+        assert w & (w - 1) == 0 and 256 <= w <= 16384
+        assert w == 256 or rows * w * (18 + 11 * m) <= accuracy.CHECK_BYTES
+        assert w == 16384 or w >= V or 2 * rows * w * (18 + 11 * m) > accuracy.CHECK_BYTES  # the largest that fits
+    assert accuracy.chunk_columns(256, 1, 262144) == 8192
+    torch.manual_seed(1)
+    n, V, D = 32, 700, 16
+    e, c = torch.randn(n, D, dtype=torch.float64), 2 * torch.randn(V, D, dtype=torch.float64)
+    t = torch.randint(0, V, (n,))
+    lse = torch.logsumexp(e @ c.T, 1)
+    tile = accuracy.column_tiles(V, 16, None, "cpu")
+    dead = torch.rand(2, n, int(tile.max()) + 1) < 0.5
+    got = [accuracy.filter_errors(e, c, None, t, lse, None, tile, dead, chunk_v=w) for w in (64, 256, None)]
+    assert torch.allclose(got[0], got[1]) and torch.allclose(got[0], got[2])
