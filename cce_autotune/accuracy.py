@@ -32,10 +32,12 @@ from collections import OrderedDict
 
 import torch
 
+from .vocab_order import classifier_key as _key
+
 __all__ = ["choose_filter", "filter_errors", "map_dead", "column_tiles", "sample_rows", "chunk_columns", "remembered",
            "remember", "clear", "ROWS", "CHECK_EVERY", "MAX_ERROR", "CHECK_BYTES"]
 
-# Rows sampled per check (whole row blocks of the backward's tiling).
+# Rows sampled per check (spread evenly over the call's rows).
 ROWS = 256
 # Backward calls of a classifier between two checks.
 CHECK_EVERY = 32
@@ -207,10 +209,6 @@ def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, ta
 MAX_ENTRIES = 8
 _lock = threading.Lock()
 _memo: "OrderedDict[tuple, list]" = OrderedDict()  # key -> [filter_eps asked, choice, calls left]
-
-
-def _key(c: torch.Tensor) -> tuple:
-    return (str(c.device), c.data_ptr(), tuple(c.shape), tuple(c.stride()), c.dtype)
 
 
 def remembered(c: torch.Tensor, filter_eps: float) -> int | None:

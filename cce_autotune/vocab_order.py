@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["sort_order", "lookup", "remember", "pause", "paused", "clear", "MAX_ENTRIES"]
+__all__ = ["sort_order", "lookup", "remember", "pause", "paused", "clear", "classifier_key", "MAX_ENTRIES"]
 
 MAX_ENTRIES = 8
 
@@ -45,16 +45,19 @@ def sort_order(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None 
     return torch.argsort(key, descending=True).to(torch.int32)
 
 
-def _key(c: torch.Tensor) -> tuple:
+def classifier_key(c: torch.Tensor) -> tuple:
+    """What per-classifier state is keyed by: its storage (device, data pointer, shape, strides, dtype),
+    which an optimiser's in-place update keeps."""
     return (str(c.device), c.data_ptr(), tuple(c.shape), tuple(c.stride()), c.dtype)
+
 
 
 def lookup(c: torch.Tensor) -> torch.Tensor | None:
     """The order (int32 (V,) permutation) last remembered for classifier ``c``, or None."""
     with _lock:
-        perm = _orders.get(_key(c))
+        perm = _orders.get(classifier_key(c))
         if perm is not None:
-            _orders.move_to_end(_key(c))
+            _orders.move_to_end(classifier_key(c))
         return perm
 
 
@@ -63,8 +66,8 @@ def remember(c: torch.Tensor, perm: torch.Tensor) -> None:
     if perm.shape != (c.shape[0],):
         raise ValueError(f"perm: expected shape ({c.shape[0]},), got {tuple(perm.shape)}")
     with _lock:
-        _orders[_key(c)] = perm
-        _orders.move_to_end(_key(c))
+        _orders[classifier_key(c)] = perm
+        _orders.move_to_end(classifier_key(c))
         while len(_orders) > MAX_ENTRIES:
             _orders.popitem(last=False)
 
@@ -72,7 +75,7 @@ def remember(c: torch.Tensor, perm: torch.Tensor) -> None:
 def pause(c: torch.Tensor, calls: int) -> None:
     """The next ``calls`` calls of classifier ``c`` do not use its order (see :func:`paused`)."""
     with _lock:
-        _pauses[_key(c)] = calls
+        _pauses[classifier_key(c)] = calls
         while len(_pauses) > MAX_ENTRIES:
             _pauses.pop(next(iter(_pauses)))
 
@@ -80,7 +83,7 @@ def pause(c: torch.Tensor, calls: int) -> None:
 def paused(c: torch.Tensor) -> bool:
     """True (and one call fewer left) while classifier ``c`` is paused: the planner found that its
     tile map and sort cost more than they skip, so this call neither walks nor sorts."""
-    key = _key(c)
+    key = classifier_key(c)
     with _lock:
         left = _pauses.get(key, 0)
         if left <= 0:
