@@ -110,7 +110,8 @@ j)
   CCE_AUTOTUNE_EXPLAIN=all timeout 150 python3 -m cce_autotune.bench --train --shapes 8192:128256:3072 --no-peers \
        --methods torch,cce_autotune,cce_autotune_exact --loop-steps 30 --out $OUT --tag train3b > $OUT/train3b.txt 2>&1
   rm -f $OUT/*.png; grep -hE "fw\+bw|train_step" $OUT/*.txt | grep "ms "
-  grep "plan (" $OUT/train3b.txt | sed -E 's/est [0-9.]+ mm, //; s/[0-9.]+%/X%/g' | cut -c1-200 | sort | uniq -c | sort -rn | head ;;
+  grep "plan (" $OUT/train3b.txt | sed -E 's/est [0-9.]+ mm, //; s/[0-9.]+%/X%/g' | cut -c1-200 | sort | uniq -c | sort -rn | head
+  grep "check (" $OUT/*.txt | cut -c1-220 | head -30 ;;
 e)  # (one GPU) the --data FILE path end to end: activations saved from real data, calibration on them, a study
   python3 -c "
 import torch; from cce_autotune.data import make_data; from cce_autotune import save_activations

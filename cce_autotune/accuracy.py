@@ -165,22 +165,23 @@ def filter_errors(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | No
 def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: torch.Tensor,
                   lse: torch.Tensor, softcap, tmap, block_b: int, block_v: int, filter_eps: float,
                   scales, coef_s: torch.Tensor | None = None,
-                  coef_t: torch.Tensor | None = None) -> tuple[float | None, bool]:
-    """``(filter_eps, checked)``: the largest of ``filter_eps * scales`` whose measured dE error on
+                  coef_t: torch.Tensor | None = None) -> tuple[float | None, tuple]:
+    """``(filter_eps, measured)``: the largest of ``filter_eps * scales`` whose measured dE error on
     this call stays within :data:`MAX_ERROR`, or None (none does: run exact), for a backward that
     launches from the forward's tile map ``tmap``; remembered per classifier and measured again every
-    :data:`CHECK_EVERY` calls (``checked`` says this call measured).
+    :data:`CHECK_EVERY` calls. ``measured``: the ``(candidate, error)`` pairs this call measured
+    (empty when the choice was remembered or the check is off).
 
     ``e`` (any shape, rows of D), ``rows`` (n,): the row of e of each position; ``targets``,
     ``lse`` (n,): every position's (the LSE infinite where ignored); ``coef_s``, ``coef_t`` (n,):
     the gradient's coefficients (see :func:`filter_errors`). The candidates are measured lazily: the
     call's own filter first, the smaller ones only if it fails."""
     if not MAX_ERROR < float("inf"):
-        return filter_eps, False
+        return filter_eps, ()
     cands = [filter_eps * s for s in scales]
     choice = remembered(c, filter_eps)
-    checked = choice is None
-    if checked:
+    measured = []
+    if choice is None:
         n, V = rows.shape[0], c.shape[0]
         idx = sample_rows(n).to(rows.device)
         e_rows = e.reshape(-1, e.shape[-1])[rows[idx]]
@@ -191,7 +192,9 @@ def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, ta
 
         def errors(eps_list):
             dead = map_dead(tmap, lse, idx, eps_list, V, block_b, block_v)
-            return filter_errors(e_rows, c, bias, t_s, lse_s, softcap, tile, dead, cs, ct).tolist()
+            errs = filter_errors(e_rows, c, bias, t_s, lse_s, softcap, tile, dead, cs, ct).tolist()
+            measured.extend(zip(eps_list, errs))
+            return errs
 
         choice = len(cands)
         if errors(cands[:1])[0] <= MAX_ERROR:
@@ -200,7 +203,7 @@ def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, ta
             choice = next((i + 1 for i, x in enumerate(errors(cands[1:])) if x <= MAX_ERROR), len(cands))
         if choice < len(cands):  # (an exact verdict is not remembered: the caller pauses the classifier)
             remember(c, filter_eps, choice)
-    return (cands[choice] if choice < len(cands) else None), checked
+    return (cands[choice] if choice < len(cands) else None), tuple(measured)
 
 
 # ----------------------------------------------------------------------------------------------

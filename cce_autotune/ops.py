@@ -408,8 +408,9 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
     if tmap is not None and eps is not None:
         # The filter's measured cost in accuracy (a sample of rows against the map; remembered per
         # classifier): lowered, or None (exact) when even the smallest candidate costs too much.
-        eps, _ = accuracy.choose_filter(e, c, bias, p.rows, p.targets, lse_v, p.softcap, tmap, bw.block_b,
-                                        bw.block_v, eps, planner.EPS_SCALES, coef_s, coef_t)
+        eps, checked = accuracy.choose_filter(e, c, bias, p.rows, p.targets, lse_v, p.softcap, tmap, bw.block_b,
+                                              bw.block_v, eps, planner.EPS_SCALES, coef_s, coef_t)
+        planner.report_check(prob, checked, accuracy.MAX_ERROR)
         if eps != p.filter_eps:
             measured = (f"filter_eps lowered to {eps:.2g} by the measured dE error (at most {accuracy.MAX_ERROR:g})"
                         if eps is not None else

@@ -62,6 +62,7 @@ __all__ = [
     "chunk_grid",
     "chunked_shape",
     "report",
+    "report_check",
     "set_cost_model",
 ]
 
@@ -467,6 +468,16 @@ def report(plan: BackwardPlan, p: Problem) -> None:
                 return
             _seen.add(key)
     print(f"cce_autotune plan (n={p.n}, V={p.V}, D={p.D}): {plan.describe()}", file=sys.stderr, flush=True)
+
+
+def report_check(p: Problem, measured, limit: float) -> None:
+    """Print what the accuracy check measured (``(filter_eps, dE error)`` pairs) to stderr when
+    ``$CCE_AUTOTUNE_EXPLAIN=all``."""
+    if not measured or os.environ.get(ENV_EXPLAIN, "").strip().lower() != "all":
+        return
+    text = ", ".join(f"{err:.2e} at {eps:.2g}" for eps, err in measured)
+    print(f"cce_autotune check (n={p.n}, V={p.V}, D={p.D}): dE error {text} (limit {limit:g})", file=sys.stderr,
+          flush=True)
 
 
 

@@ -95,18 +95,21 @@ def test_choice_is_remembered_and_measured_again(device, monkeypatch):
     def choose(eps):
         return accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, eps, (1.0, 2.0**-4, 2.0**-8))
 
-    eps, checked = choose(2.0**-6)
-    assert checked and eps in (2.0**-10, 2.0**-14) and calls == [1, 2]  # own filter fails, the rest measured
+    eps, measured = choose(2.0**-6)
+    assert eps in (2.0**-10, 2.0**-14) and calls == [1, 2]  # own filter fails, the rest measured
+    assert [m[0] for m in measured] == [2.0**-6, 2.0**-10, 2.0**-14]
+    assert measured[0][1] > 1e-4 and dict(measured)[eps] <= 1e-4  # what failed and what passed
     for _ in range(3):  # remembered for CHECK_EVERY calls, then measured again
-        assert choose(2.0**-6) == (eps, False)
-    assert choose(2.0**-6) == (eps, True) and len(calls) == 4
-    assert choose(2.0**-20) == (2.0**-20, True)  # another filter asked: measured (and it passes)
+        assert choose(2.0**-6) == (eps, ())
+    assert choose(2.0**-6)[0] == eps and len(calls) == 4
+    eps, measured = choose(2.0**-20)
+    assert eps == 2.0**-20 and len(measured) == 1  # another filter asked: measured (and it passes)
     monkeypatch.setattr(accuracy, "MAX_ERROR", -1.0)  # nothing passes
     accuracy.clear()
-    assert choose(2.0**-6) == (None, True) and choose(2.0**-6) == (None, True)  # exact is never remembered
+    assert choose(2.0**-6)[0] is None and len(choose(2.0**-6)[1]) == 3  # exact is never remembered
     monkeypatch.setattr(accuracy, "MAX_ERROR", math.inf)
     n = len(calls)
-    assert choose(2.0**-6) == (2.0**-6, False) and len(calls) == n  # the check off: nothing measured
+    assert choose(2.0**-6) == (2.0**-6, ()) and len(calls) == n  # the check off: nothing measured
 
 
 def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch):
@@ -122,6 +125,18 @@ def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch)
     eps, plan = seen[-1]
     assert eps is None and not plan.use_map and "measured" in plan.reason
     assert vocab_order.paused(cc)  # the next forwards neither walk nor map until the next check
+
+
+def test_explain_all_prints_the_measured_errors(monkeypatch, capsys):
+    p = planner.Problem(n=8, n_all=8, V=100, D=4, elem=2, grad_bytes=0)
+    monkeypatch.setenv(planner.ENV_EXPLAIN, "1")
+    planner.report_check(p, ((2.0**-16, 8e-3),), 7e-3)
+    assert capsys.readouterr().err == ""  # only with =all
+    monkeypatch.setenv(planner.ENV_EXPLAIN, "all")
+    planner.report_check(p, (), 7e-3)
+    planner.report_check(p, ((2.0**-16, 8e-3), (2.0**-20, 4.5e-3)), 7e-3)
+    assert capsys.readouterr().err == ("cce_autotune check (n=8, V=100, D=4): dE error 8.00e-03 at 1.5e-05, "
+                                       "4.50e-03 at 9.5e-07 (limit 0.007)\n")
 
 
 def test_check_chunks_stay_within_their_memory_and_do_not_change_the_estimate():
