@@ -409,12 +409,12 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         # The filter's measured cost in accuracy (a sample of rows against the map; remembered per
         # classifier): lowered, or None (exact) when even the smallest candidate costs too much.
         eps, checked = accuracy.choose_filter(e, c, bias, p.rows, p.targets, lse_v, p.softcap, tmap, bw.block_b,
-                                              bw.block_v, eps, planner.EPS_SCALES, coef_s, coef_t)
+                                              bw.block_v, eps, accuracy.SCALES, coef_s, coef_t)
         planner.report_check(prob, checked, accuracy.MAX_ERROR)
         if eps != p.filter_eps:
             measured = (f"filter_eps lowered to {eps:.2g} by the measured dE error (at most {accuracy.MAX_ERROR:g})"
                         if eps is not None else
-                        f"every filter_eps down to {p.filter_eps * planner.EPS_SCALES[-1]:.2g} costs dE more than "
+                        f"every filter_eps down to {p.filter_eps * accuracy.SCALES[-1]:.2g} costs dE more than "
                         f"{accuracy.MAX_ERROR:g} (measured): exact")
     plan, live, chunks, pause = planner.decide(prob, bw, eps, tmap, lse_v, o.max_extra_memory,
                                                _gpu(e.device), fused_allowed=_fused_allowed(p, e, ck),

@@ -112,6 +112,31 @@ def test_choice_is_remembered_and_measured_again(device, monkeypatch):
     assert choose(2.0**-6) == (2.0**-6, ()) and len(calls) == n  # the check off: nothing measured
 
 
+def test_candidates_are_measured_in_groups_until_one_passes(device, monkeypatch):
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
+    lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
+    rows = torch.arange(64, device=device)
+    monkeypatch.setattr(accuracy, "GROUP", 2)
+    scales = tuple(2.0**-k for k in range(7))
+    full = dict(accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, (1.0,))[1])
+    for k in range(7):  # every candidate's error, one at a time
+        accuracy.clear()
+        full.update(accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4 * scales[k], (1.0,))[1])
+    errs = [full[2.0**-4 * s] for s in scales]
+    assert errs[0] > 0 and errs == sorted(errs, reverse=True)  # smaller filters drop less
+    wants = [k for k in range(7) if k == 0 or errs[k] < errs[k - 1]]
+    assert len(wants) >= 4, errs
+    for want in wants:  # a limit that the want-th candidate is the first to meet
+        monkeypatch.setattr(accuracy, "MAX_ERROR", (errs[want] + (errs[want - 1] if want else 1.0)) / 2)
+        accuracy.clear()
+        eps, measured = accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, scales)
+        assert eps == 2.0**-4 * scales[want]
+        groups = 1 if want == 0 else 1 + -(-want // 2)  # own filter, then pairs up to the one that passed
+        assert len(measured) == min(7, 1 + 2 * (groups - 1))
+        for m_eps, m_err in measured:
+            assert m_err == pytest.approx(full[m_eps], rel=1e-5)
+
+
 def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch):
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
