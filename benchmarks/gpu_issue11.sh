@@ -15,9 +15,11 @@
 #   PHASE=i  (one GPU) the measured filter check: its tests on CUDA, then real data at B=8192 at the heads where
 #            the default filter missed dE 1e-2, this tree against the previous commit's package (carry .old_pkg),
 #            with the shipped file and with the built-in defaults.
-#   PHASE=j  (one GPU; prepared, not yet run) Gemma 2's softcapped heads on real data (cce-bench --softcap 30),
-#            shipped vs built-in; then Llama 3.2 3B's training loop with every plan printed (why its step is
-#            slower than PyTorch's while its loss alone is faster).
+#   PHASE=j  (one GPU) Gemma 2's softcapped heads on real data (cce-bench --softcap 30), shipped vs built-in;
+#            then Llama 3.2 3B's training loop with every plan and check printed (why its step is slower
+#            than PyTorch's while its loss alone is faster).
+#   PHASE=k  (one GPU) the dead-tile correction: its tests on CUDA, four real-data heads, Gemma 2 with softcap,
+#            the training loop at two heads.
 # State lives in /tmp/persist between the runs; each run packs it under $OUT. Carry .whl (optuna & deps).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc CCE_AUTOTUNE_DATA_DIR=/tmp/real
@@ -112,6 +114,19 @@ j)
   rm -f $OUT/*.png; grep -hE "fw\+bw|train_step" $OUT/*.txt | grep "ms "
   grep "plan (" $OUT/train3b.txt | sed -E 's/est [0-9.]+ mm, //; s/[0-9.]+%/X%/g' | cut -c1-200 | sort | uniq -c | sort -rn | head
   grep "check (" $OUT/*.txt | cut -c1-220 | head -30 ;;
+k)  # the dead-tile correction: its tests on CUDA, real data at four heads (shipped, built-in, exact, PyTorch),
+    # Gemma 2 with softcap, the training loop at two heads with every check printed
+  timeout 50 python3 -m pytest -q -x tests/test_accuracy.py 2>&1 | tail -3
+  S=8192:262208:2560,8192:262144:1152,8192:128256:3072,8192:128256:4096
+  B="python3 -m cce_autotune.bench --data real --no-peers --reps 30 --out $OUT"
+  CCE_AUTOTUNE_EXPLAIN=1 timeout 200 $B --shapes $S --methods torch,cce_autotune,cce_autotune_exact --tag corr > $OUT/corr.txt 2>&1
+  CCE_AUTOTUNE_NO_CONFIGS=1 timeout 70 $B --shapes $S --methods cce_autotune --tag corrnone > $OUT/corrnone.txt 2>&1
+  CCE_AUTOTUNE_EXPLAIN=1 timeout 80 $B --shapes 8192:256000:2304 --softcap 30 --methods torch,cce_autotune --tag g2 > $OUT/g2.txt 2>&1
+  CCE_AUTOTUNE_EXPLAIN=all timeout 170 python3 -m cce_autotune.bench --train --shapes 8192:128256:3072,8192:262144:1152 --no-peers \
+       --methods torch,cce_autotune --loop-steps 25 --out $OUT --tag train > $OUT/train.txt 2>&1
+  rm -f $OUT/*.png; grep -hE "fw\+bw|train_step" $OUT/*.txt | grep "ms "
+  grep -h "check (" $OUT/*.txt | cut -c1-230 | sort | uniq -c | sort -rn | head -12
+  grep -h "plan (" $OUT/*.txt | sed -E 's/est [0-9.]+ mm, //; s/[0-9.]+%/X%/g' | cut -c1-230 | sort | uniq -c | sort -rn | head -16 ;;
 e)  # (one GPU) the --data FILE path end to end: activations saved from real data, calibration on them, a study
   python3 -c "
 import torch; from cce_autotune.data import make_data; from cce_autotune import save_activations

@@ -76,6 +76,7 @@ class Flags:
     dc_window: bool = False  # tile backward: fp32 dC scratch of one vocabulary window (row = position - dc_lo)
     cast_c: bool = False  # C is wider than E (fp32 classifier, 16-bit e): its tiles are rounded to E's dtype
     c_local: bool = False  # C is a converted window of the classifier, addressed by walked position
+    live_mass: bool = False  # chunked backward: each row's softmax mass in the computed tiles (atomics)
 
     def template_flags(self) -> dict:
         return {
@@ -93,6 +94,7 @@ class Flags:
             "DC_WINDOW": self.dc_window,
             "CAST_C": self.cast_c,
             "C_LOCAL": self.c_local,
+            "LIVE_MASS": self.live_mass,
         }
 
 

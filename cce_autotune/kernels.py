@@ -217,7 +217,7 @@ def backward(
     e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap,
     filter_eps, variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None = None,
     live: torch.Tensor | None = None, chunks: list | None = None, targets: torch.Tensor | None = None,
-    dc_dtype: torch.dtype | None = None, deterministic: bool = False,
+    dc_dtype: torch.dtype | None = None, deterministic: bool = False, dead_dir: torch.Tensor | None = None,
 ):
     """dE (shape and dtype of ``e``), dC (of ``c``), dbias (of ``bias``, or None), as ``plan`` says
     (see :mod:`cce_autotune.planner`, which decides everything this function launches).
@@ -235,7 +235,13 @@ def backward(
     ``dc_dtype``: dC's dtype when it is not c's (``c`` a converted copy of a wider classifier).
     ``deterministic``: the plan is chunked (the planner's choice) and dbias is summed without atomics. Only live tiles are computed; the onehot term of a row whose target tile is dead is
     added outside the kernels.
+    ``dead_dir`` (D,) fp32, with a mapped chunked plan: the dead-tile correction. The kernel sums
+    each row's softmax mass in the tiles it computes, and row i's dE gains
+    ``coef_s[i] * (1 - that mass) * dead_dir``: the skipped tiles' softmax terms taken along one
+    direction (:func:`cce_autotune.accuracy.choose_filter` fits and checks it).
     """
+    if dead_dir is not None and not (plan.use_map and plan.strategy == "chunked" and not deterministic):
+        raise ValueError("dead_dir: the dead-tile correction needs a mapped chunked plan (not deterministic)")
     if plan.use_map and (tile_map is None or live is None or filter_eps is None or targets is None
                          or perm is not tile_map.perm):
         raise ValueError("plan: a mapped backward needs the tile map, its live grid, filtering, the targets "
@@ -251,7 +257,7 @@ def backward(
     if plan.strategy == "chunked":
         return _backward_chunked(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
                                  variant, plan, tile_map, live, chunks, dc_dtype=dc_dtype,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic, dead_dir=dead_dir)
     if plan.strategy == "sparse":
         return _backward_sparse(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm,
                                 softcap, variant, tile_ids(live, 1, swizzle=False), tile_map, dc_dtype=dc_dtype)
@@ -463,7 +469,7 @@ def _add_matmul_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
 
 def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
                       variant: BackwardVariant, plan: BackwardPlan, tile_map: TileMap | None, live, chunks,
-                      dc_dtype=None, deterministic: bool = False):
+                      dc_dtype=None, deterministic: bool = False, dead_dir: torch.Tensor | None = None):
     """The ``strategy="chunked"`` backward: for each vocabulary chunk of ``plan.chunk_v`` columns, and
     each group of ``plan.row_group`` rows (all rows when 0), that holds a live tile (every block
     without a map), a kernel writes the gradient block g of the group's rows (dead tiles as zeros,
@@ -471,7 +477,8 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
     accumulated in fp32 when ``plan.de_fp32`` and else in dE itself (fp32 inside cuBLAS, one
     rounding per live chunk), and dC[chunk] = g^T E (one rounding; with row groups summed over the
     groups in an fp32 buffer first). ``chunks[k * groups + j]``: whether chunk k holds a live tile in
-    row group j. No atomics; no V x D scratch."""
+    row group j. No atomics (but the live mass of ``dead_dir``'s correction, see :func:`backward`);
+    no V x D scratch."""
     n, D = rows.n, e.shape[-1]
     V = c.shape[0]
     dev = e.device
@@ -494,8 +501,10 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
         # A classifier wider than e: each chunk's rows converted to e's dtype once (see lse_forward),
         # read by the kernel and by cuBLAS.
         c_buf = torch.empty((W, D), dtype=e.dtype, device=dev) if c.dtype != e.dtype else None
+        mass = torch.zeros(n, dtype=torch.float32, device=dev) if dead_dir is not None else None
         kernel = load_kernel(variant, _flags(e, c if c_buf is None else c_buf, bias, softcap, variant.block_d, rows,
-                                             tile_live=use_live, c_local=c_buf is not None))
+                                             tile_live=use_live, c_local=c_buf is not None,
+                                             live_mass=mass is not None))
         # Rows of E that no problem row reads (shift, ignored rows) keep a zero gradient row in g.
         g_rows = max(grp.span for grp in groups)
         g_buf = (torch.zeros if n < N else torch.empty)((g_rows, W), dtype=e.dtype, device=dev)
@@ -503,7 +512,8 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
         dc_part = torch.empty((W, D), dtype=torch.float32, device=dev) if len(groups) > 1 else None
         # Each group's rows of the per-row arguments, sliced once (views; launches dominate small blocks).
         args = [(rows.offsets[gr.lo:], target_pos[gr.lo:], lse[gr.lo:], coef_s[gr.lo:], coef_t[gr.lo:],
-                 live[gr.lo // variant.block_b:] if use_live else lse) for gr in groups]
+                 live[gr.lo // variant.block_b:] if use_live else lse, () if mass is None else (mass[gr.lo:],))
+                for gr in groups]
         # ... and its rows of E, of the dE accumulator and of g, for the products.
         views = [(e2[gr.first : gr.first + gr.span], acc[gr.first : gr.first + gr.span], g_buf[: gr.span])
                  for gr in groups]
@@ -522,13 +532,13 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
             for j in todo:
                 grp = groups[j]
                 grid = (triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v),)
-                offsets, tpos, lse_g, cs, ct, live_g = args[j]
+                offsets, tpos, lse_g, cs, ct, live_g, mass_g = args[j]
                 kernel[grid](
                     grp.e, c_arg, bias if bias is not None else c, offsets, grp.g_offsets, tpos,
                     lse_g, cs, ct, perm if perm is not None else target_pos, live_g, g_buf,
                     dbias_k if dbias_k is not None else lse,
                     grp.n, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), g_buf.stride(0),
-                    _softcap_arg(softcap), lo, w,
+                    _softcap_arg(softcap), lo, w, *mass_g,
                     BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
                     GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages,
                 )
@@ -573,6 +583,12 @@ def _backward_chunked(e, c, bias, rows: RowLayout, target_pos, targets, lse, coe
                 dc[perm[lo : lo + W].long()] = 0
     if coef_out is not None and n > 0:  # target terms of rows whose target tile is dead
         _add_target_terms(c, e2, rows, targets, coef_out, tile_map.zt, softcap, acc, dc, dbias)
+    if dead_dir is not None and n > 0:
+        # The skipped tiles' softmax mass along the fitted direction (a row without a gradient has an
+        # infinite LSE: no mass).
+        dead = torch.where(torch.isfinite(lse), (1.0 - mass).clamp_min(0.0), 0.0) * coef_s
+        acc.index_add_(0, rows.row_index(D), (dead[:, None] * dead_dir.to(device=dev, dtype=torch.float32)[None, :])
+                       .to(acc.dtype))
     if plan.de_fp32:
         de2.copy_(acc)
     if dbias is not None:

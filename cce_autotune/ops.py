@@ -404,21 +404,26 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
     ck = _kernel_classifier(e, c)
     prob = _planner_problem(e, c, bias, p, tmap)
     eps = p.filter_eps
-    measured = None
+    measured = direction = None
     if tmap is not None and eps is not None:
         # The filter's measured cost in accuracy (a sample of rows against the map; remembered per
-        # classifier): lowered, or None (exact) when even the smallest candidate costs too much.
-        eps, checked = accuracy.choose_filter(e, c, bias, p.rows, p.targets, lse_v, p.softcap, tmap, bw.block_b,
-                                              bw.block_v, eps, accuracy.SCALES, coef_s, coef_t)
+        # classifier): lowered, or None (exact) when even the smallest candidate costs too much; with
+        # the direction of the dead-tile correction when the filter needs it (chunked plans only).
+        eps, checked, direction = accuracy.choose_filter(
+            e, c, bias, p.rows, p.targets, lse_v, p.softcap, tmap, bw.block_b, bw.block_v, eps, accuracy.SCALES,
+            coef_s, coef_t, correctable=bw.strategy in ("auto", "chunked") and not o.deterministic)
         planner.report_check(prob, checked, accuracy.MAX_ERROR)
         if eps != p.filter_eps:
             measured = (f"filter_eps lowered to {eps:.2g} by the measured dE error (at most {accuracy.MAX_ERROR:g})"
                         if eps is not None else
                         f"every filter_eps down to {p.filter_eps * accuracy.SCALES[-1]:.2g} costs dE more than "
                         f"{accuracy.MAX_ERROR:g} (measured): exact")
+        if direction is not None:
+            measured = (measured + "; " if measured else "") + "the dead-tile correction (measured)"
     plan, live, chunks, pause = planner.decide(prob, bw, eps, tmap, lse_v, o.max_extra_memory,
                                                _gpu(e.device), fused_allowed=_fused_allowed(p, e, ck),
-                                               deterministic=o.deterministic, why=measured)
+                                               deterministic=o.deterministic, why=measured,
+                                               chunked_only=direction is not None)
     measured_exact = measured is not None and eps is None
     if measured_exact:
         pause = True  # the forward stops walking and mapping until the next check
@@ -443,6 +448,7 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         e, ck, bias, p.layout, target_pos, lse_v, coef_s, coef_t, perm,
         p.softcap, eps, bw, plan, tile_map=tmap if plan.use_map else None,
         live=live, chunks=chunks, targets=p.targets, dc_dtype=c.dtype, deterministic=o.deterministic,
+        dead_dir=direction if plan.use_map and plan.strategy == "chunked" else None,
     )
     if coef_u is not None:
         csum = state.csum if state is not None and state.csum is not None else _column_sum(c)

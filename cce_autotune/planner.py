@@ -375,7 +375,7 @@ def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):
 # -- the decision -----------------------------------------------------------------------------
 def plan_backward(p: Problem, variant, *, has_map: bool, live: float | None = None,
                   live_chunks: float | None = None, budget: int | None = None, costs: CostModel | None = None,
-                  exact: bool = False, deterministic: bool = False) -> BackwardPlan:
+                  exact: bool = False, deterministic: bool = False, chunked_only: bool = False) -> BackwardPlan:
     """The plan for one backward.
 
     ``variant``: the call's :class:`~cce_autotune.variant.BackwardVariant` (block sizes, chunk_v, and
@@ -384,6 +384,8 @@ def plan_backward(p: Problem, variant, *, has_map: bool, live: float | None = No
     measured; ``live_chunks``: the chunked strategy's share of live chunks at the width
     :func:`chunked_shape` gives for this budget (None: all live). ``deterministic``: only the
     chunked strategy, whose sums involve no float atomics (the same bits every run).
+    ``chunked_only``: only the chunked strategy either (the dead-tile correction of a filter that
+    needs it runs there).
     """
     costs = costs or COSTS["h200"]
     bb, bv = variant.block_b, variant.block_v
@@ -413,7 +415,7 @@ def plan_backward(p: Problem, variant, *, has_map: bool, live: float | None = No
         options["tiles"] = (tiles_cost, tiles_bytes(p, False, 0))
     if use_map and variant.accum == "fp32":
         options["sparse"] = (fixed + costs.sparse_per_live * L, sparse_bytes(p, bb, bv, n_live))
-    if deterministic:
+    if deterministic or chunked_only:
         options = {"chunked": options["chunked"]}
     fits = {k: v for k, v in options.items() if budget is None or v[1] <= budget}
     requested = variant.strategy
@@ -424,6 +426,8 @@ def plan_backward(p: Problem, variant, *, has_map: bool, live: float | None = No
         why = "fastest estimate" + (" within the memory budget" if len(fits) < len(options) else "")
         if deterministic:
             why = "deterministic: the strategy without float atomics"
+        elif chunked_only:
+            why = "the strategy of the dead-tile correction"
         if requested != "auto":
             why += f" ({requested} " + ("cannot run for this call" if requested not in options else "exceeds the budget") + ")"
     else:
@@ -471,11 +475,11 @@ def report(plan: BackwardPlan, p: Problem) -> None:
 
 
 def report_check(p: Problem, measured, limit: float) -> None:
-    """Print what the accuracy check measured (``(filter_eps, dE error)`` pairs) to stderr when
-    ``$CCE_AUTOTUNE_EXPLAIN=all``."""
+    """Print what the accuracy check measured (``(filter_eps, dE error, corrected)`` triples) to
+    stderr when ``$CCE_AUTOTUNE_EXPLAIN=all``."""
     if not measured or os.environ.get(ENV_EXPLAIN, "").strip().lower() != "all":
         return
-    text = ", ".join(f"{err:.2e} at {eps:.2g}" for eps, err in measured)
+    text = ", ".join(f"{err:.2e} at {eps:.2g}{' corrected' if fixed else ''}" for eps, err, fixed in measured)
     print(f"cce_autotune check (n={p.n}, V={p.V}, D={p.D}): dE error {text} (limit {limit:g})", file=sys.stderr,
           flush=True)
 
@@ -614,7 +618,8 @@ EPS_SCALES = (1.0, 2.0**-4, 2.0**-8)
 
 
 def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="auto", gpu: str | None = None,
-           fused_allowed: bool = False, deterministic: bool = False, why: str | None = None):
+           fused_allowed: bool = False, deterministic: bool = False, why: str | None = None,
+           chunked_only: bool = False):
     """The plan of a call's backward, measured: ``(plan, live, chunks, pause)``.
 
     With the forward's ``tile_map`` (and filtering), the live grid is built on the device, the
@@ -625,7 +630,8 @@ def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="aut
     showed so many live tiles that the forward and a mapped backward cost about as much as the
     best plan that filters nothing (the fused one where ``fused_allowed``); this call then runs
     that exact plan too (``plan`` has no map), and the caller pauses the classifier. ``why``: how the
-    caller chose ``filter_eps`` (its measured check), put before the plan's reason."""
+    caller chose ``filter_eps`` (its measured check), put before the plan's reason; ``chunked_only``:
+    a filtering plan must be chunked (the check's dead-tile correction needs it)."""
     import torch
 
     from .tile_map import dropped_share, live_grid
@@ -660,7 +666,8 @@ def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="aut
         report(plan, p)
         return plan, None, None, True
     plan = plan_backward(p, variant, has_map=tile_map is not None, live=share, live_chunks=chunk_share,
-                         budget=budget, costs=costs, exact=exact, deterministic=deterministic)
+                         budget=budget, costs=costs, exact=exact, deterministic=deterministic,
+                         chunked_only=chunked_only)
     if eps != filter_eps:
         plan = replace(plan, filter_eps=eps, reason=f"filter_eps lowered to {eps:.2g} (at {filter_eps:.2g} the filter "
                                                     f"would drop more than {MAX_DROPPED:g} of the gradient's mass); "

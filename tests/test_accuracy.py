@@ -87,18 +87,18 @@ def test_choice_is_remembered_and_measured_again(device, monkeypatch):
     lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
     rows = torch.arange(64, device=device)
     calls = []
-    real = accuracy.filter_errors
-    monkeypatch.setattr(accuracy, "filter_errors", lambda *a, **k: (calls.append(a[7].shape[0]), real(*a, **k))[1])
+    real = accuracy.filter_fit
+    monkeypatch.setattr(accuracy, "filter_fit", lambda *a, **k: (calls.append(a[7].shape[0]), real(*a, **k))[1])
     monkeypatch.setattr(accuracy, "MAX_ERROR", 1e-4)
     monkeypatch.setattr(accuracy, "CHECK_EVERY", 3)
 
     def choose(eps):
-        return accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, eps, (1.0, 2.0**-4, 2.0**-8))
+        return accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, eps, (1.0, 2.0**-4, 2.0**-8))[:2]
 
     eps, measured = choose(2.0**-6)
     assert eps in (2.0**-10, 2.0**-14) and calls == [1, 2]  # own filter fails, the rest measured
     assert [m[0] for m in measured] == [2.0**-6, 2.0**-10, 2.0**-14]
-    assert measured[0][1] > 1e-4 and dict(measured)[eps] <= 1e-4  # what failed and what passed
+    assert measured[0][1] > 1e-4 and {m[0]: m[1] for m in measured}[eps] <= 1e-4  # what failed and what passed
     for _ in range(3):  # remembered for CHECK_EVERY calls, then measured again
         assert choose(2.0**-6) == (eps, ())
     assert choose(2.0**-6)[0] == eps and len(calls) == 4
@@ -118,10 +118,11 @@ def test_candidates_are_measured_in_groups_until_one_passes(device, monkeypatch)
     rows = torch.arange(64, device=device)
     monkeypatch.setattr(accuracy, "GROUP", 2)
     scales = tuple(2.0**-k for k in range(7))
-    full = dict(accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, (1.0,))[1])
+    full = {m[0]: m[1] for m in accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, (1.0,))[1]}
     for k in range(7):  # every candidate's error, one at a time
         accuracy.clear()
-        full.update(accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4 * scales[k], (1.0,))[1])
+        full.update({m[0]: m[1] for m in accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16,
+                                                               2.0**-4 * scales[k], (1.0,))[1]})
     errs = [full[2.0**-4 * s] for s in scales]
     assert errs[0] > 0 and errs == sorted(errs, reverse=True)  # smaller filters drop less
     wants = [k for k in range(7) if k == 0 or errs[k] < errs[k - 1]]
@@ -129,11 +130,11 @@ def test_candidates_are_measured_in_groups_until_one_passes(device, monkeypatch)
     for want in wants:  # a limit that the want-th candidate is the first to meet
         monkeypatch.setattr(accuracy, "MAX_ERROR", (errs[want] + (errs[want - 1] if want else 1.0)) / 2)
         accuracy.clear()
-        eps, measured = accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, scales)
+        eps, measured, _ = accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, scales)
         assert eps == 2.0**-4 * scales[want]
         groups = 1 if want == 0 else 1 + -(-want // 2)  # own filter, then pairs up to the one that passed
         assert len(measured) == min(7, 1 + 2 * (groups - 1))
-        for m_eps, m_err in measured:
+        for m_eps, m_err, _ in measured:
             assert m_err == pytest.approx(full[m_eps], rel=1e-5)
 
 
@@ -155,13 +156,13 @@ def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch)
 def test_explain_all_prints_the_measured_errors(monkeypatch, capsys):
     p = planner.Problem(n=8, n_all=8, V=100, D=4, elem=2, grad_bytes=0)
     monkeypatch.setenv(planner.ENV_EXPLAIN, "1")
-    planner.report_check(p, ((2.0**-16, 8e-3),), 7e-3)
+    planner.report_check(p, ((2.0**-16, 8e-3, False),), 7e-3)
     assert capsys.readouterr().err == ""  # only with =all
     monkeypatch.setenv(planner.ENV_EXPLAIN, "all")
     planner.report_check(p, (), 7e-3)
-    planner.report_check(p, ((2.0**-16, 8e-3), (2.0**-20, 4.5e-3)), 7e-3)
+    planner.report_check(p, ((2.0**-16, 8e-3, False), (2.0**-20, 4.5e-3, True)), 7e-3)
     assert capsys.readouterr().err == ("cce_autotune check (n=8, V=100, D=4): dE error 8.00e-03 at 1.5e-05, "
-                                       "4.50e-03 at 9.5e-07 (limit 0.007)\n")
+                                       "4.50e-03 at 9.5e-07 corrected (limit 0.007)\n")
 
 
 def test_check_chunks_stay_within_their_memory_and_do_not_change_the_estimate():
@@ -180,3 +181,112 @@ def test_check_chunks_stay_within_their_memory_and_do_not_change_the_estimate():
     dead = torch.rand(2, n, int(tile.max()) + 1) < 0.5
     got = [accuracy.filter_errors(e, c, None, t, lse, None, tile, dead, chunk_v=w) for w in (64, 256, None)]
     assert torch.allclose(got[0], got[1]) and torch.allclose(got[0], got[2])
+
+
+# -- the dead-tile correction -----------------------------------------------------------------
+def _clustered(n=64, V=512, D=32, seed=0, dtype=torch.float32):
+    """Inputs whose last V - 128 classifier rows sit close together, away from the rows' direction:
+    a trained classifier's rarely used rows. A filter drops their tiles, and what it drops points
+    one way."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(n, D, generator=g)
+    c = torch.randn(V, D, generator=g) * 0.6
+    mu = torch.randn(D, generator=g) * 0.3 - 0.4 * e.mean(0) / e.mean(0).norm()
+    c[128:] = mu + 0.05 * torch.randn(V - 128, D, generator=g)
+    t = torch.randint(0, 128, (n,), generator=g)
+    return e.to(dtype), c.to(dtype), t
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_corrected_error_against_brute_force(softcap):
+    e, c, t = _clustered(dtype=torch.float64)
+    n, V, bb, bv = e.shape[0], c.shape[0], 4, 8
+    z = e @ c.T
+    th = torch.tanh(z / softcap) if softcap else None
+    zz = softcap * th if softcap else z
+    lse = torch.logsumexp(zz, 1)
+    lse[5] = math.inf  # an ignored row
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    tile = accuracy.column_tiles(V, bv, perm, "cpu")
+    valid = torch.isfinite(lse).double()
+    p = torch.softmax(zz, 1) * valid[:, None]
+    tmax = torch.zeros(n // bb, int(tile.max()) + 1, dtype=torch.float64)
+    tmax.scatter_reduce_(1, tile.expand(n // bb, -1), p.view(n // bb, bb, V).amax(1), reduce="amax")
+    eps = [2.0**-6, 2.0**-9]
+    dead = torch.stack([(tmax < x).repeat_interleave(bb, dim=0) for x in eps])
+    cs, ct = torch.rand(n, dtype=torch.float64) + 0.5, torch.rand(n, dtype=torch.float64)
+    raw, corr, direction = accuracy.filter_fit(e, c, None, t, lse, softcap, tile, dead, cs, ct, chunk_v=64)
+    sd = 1 - th * th if softcap else torch.ones_like(p)
+    g = p * cs[:, None] * sd
+    g[torch.arange(n), t] -= valid * ct * sd[torch.arange(n), t]
+    whole = (g @ c).norm()
+    for k in range(len(eps)):
+        mask = dead[k][:, tile].double()  # (rows, V)
+        drop = (p * cs[:, None] * sd * mask) @ c  # what the filter drops, per row
+        a = (p * cs[:, None] * mask).sum(1)  # the mass the correction scales (no softcap derivative)
+
+        def fit(r):
+            return (a[r, None] * drop[r]).sum(0) / (a[r] * a[r]).sum()
+
+        ev, od = torch.arange(0, n, 2), torch.arange(1, n, 2)
+        left = ((drop[ev] - a[ev, None] * fit(od)) ** 2).sum() + ((drop[od] - a[od, None] * fit(ev)) ** 2).sum()
+        assert raw[k].item() == pytest.approx(float(drop.norm() / whole), rel=1e-5)
+        assert corr[k].item() == pytest.approx(float(left.sqrt() / whole), rel=1e-4)
+        assert direction[k].double() == pytest.approx(fit(torch.arange(n)), rel=1e-4, abs=1e-9)
+    assert raw[1] > 1e-2 and corr[1] < raw[1] / 4  # the clustered rows' dropped terms point one way
+
+
+def test_chunked_backward_adds_the_dead_mass_along_the_direction(device, no_accuracy_guard, monkeypatch):
+    e, c, t = _clustered()
+    e, c, t = e.to(device), c.to(device), t.to(device)
+    eps = 2.0**-6
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="chunked"))
+    u = torch.randn(e.shape[1], generator=torch.Generator().manual_seed(3)).to(device)
+    seen, grads = {}, []
+    real = planner.decide
+    monkeypatch.setattr(planner, "decide", lambda *a, **k: (seen.update(tmap=a[3], lse=a[4]), real(*a, **k))[1])
+    for direction in (None, u):
+        monkeypatch.setattr(accuracy, "choose_filter", lambda *a, d=direction, **k: (eps, (), d))
+        ee, cc = e.clone().requires_grad_(), c.clone()
+        prime_order(cc, ee, "sorted")
+        linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
+        grads.append(ee.grad.double())
+    bb, bv = kv.backward.block_b, kv.backward.block_v
+    n, V = e.shape[0], c.shape[0]
+    dead = accuracy.map_dead(seen["tmap"], seen["lse"], torch.arange(n, device=device), [eps], V, bb, bv)[0]
+    mask = dead[:, accuracy.column_tiles(V, bv, seen["tmap"].perm, device)].double()
+    p = torch.softmax(e.double() @ c.double().T, 1)
+    mass = (p * mask).sum(1)
+    assert (mass > 1e-3).float().mean() > 0.5  # most rows have skipped tiles
+    want = (mass / n)[:, None] * u.double()[None, :]  # coef_s = 1/n (mean)
+    assert (grads[1] - grads[0] - want).norm() <= 1e-4 * want.norm()
+
+
+def test_check_takes_the_correction_where_the_plain_filter_is_not_accurate(device, monkeypatch):
+    e, c, t = _clustered()
+    e, c, t = e.to(device), c.to(device), t.to(device)
+    eps = 2.0**-6
+    monkeypatch.setattr(accuracy, "SCALES", (1.0,))  # the call's own filter, or exact
+    monkeypatch.setattr(planner, "MAX_DROPPED", math.inf)  # the check alone
+    monkeypatch.setattr(planner, "PAUSE_SHARE", math.inf)  # filtering pays whatever the cost model says
+    _, ref = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
+    plans = []
+    real = kernels.backward
+    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (plans.append((a[12], k.get("dead_dir"))), real(*a, **k))[1])
+
+    def run(limit, **kw):
+        monkeypatch.setattr(accuracy, "MAX_ERROR", limit)
+        accuracy.clear()
+        kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
+        ee, cc = e.clone().requires_grad_(), c.clone()
+        prime_order(cc, ee, "sorted")
+        linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, **kw).backward()
+        return rel_err(ee.grad, ref[0]), plans[-1]
+
+    plain, (plan, d) = run(math.inf)  # the check off: the plain filter
+    assert plan.use_map and d is None and plain > 1e-2
+    fixed, (plan, d) = run(plain / 3)
+    assert plan.use_map and plan.strategy == "chunked" and d is not None and "dead-tile correction" in plan.reason
+    assert fixed < plain / 5
+    _, (plan, d) = run(plain / 3, deterministic=True)  # no correction there: the call runs exact
+    assert not plan.use_map and d is None
