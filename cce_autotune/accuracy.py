@@ -32,6 +32,7 @@ A candidate passes on the corrected error when the call can take the correction.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 
@@ -211,7 +212,7 @@ def filter_fit(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
 def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: torch.Tensor,
                   lse: torch.Tensor, softcap, tmap, block_b: int, block_v: int, filter_eps: float,
                   scales, coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None,
-                  correctable: bool = False) -> tuple[float | None, tuple, torch.Tensor | None]:
+                  correctable: bool = False, admissible=None) -> tuple[float | None, tuple, torch.Tensor | None]:
     """``(filter_eps, measured, direction)``: the largest of ``filter_eps * scales`` whose measured dE
     error on this call stays within :data:`MAX_ERROR`, or None (none does: run exact), for a
     backward that launches from the forward's tile map ``tmap``; remembered per classifier and
@@ -222,7 +223,9 @@ def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, ta
     ``correctable``: the backward can take the dead-tile correction (a chunked plan; see
     :func:`filter_fit`). A candidate's error is then the corrected one where that is smaller, and
     ``direction`` (D,) fp32 is the correction's direction when the chosen candidate needs it (else
-    None: the plain filter).
+    None: the plain filter). ``admissible(filter_eps) -> bool``: whether a candidate may run at all
+    (the planner's dropped-mass guard); one that may not is not measured and does not pass, so that
+    the filter that runs drops what the check measured (and the direction was fitted to).
 
     ``e`` (any shape, rows of D), ``rows`` (n,): the row of e of each position; ``targets``,
     ``lse`` (n,): every position's (the LSE infinite where ignored); ``coef_s``, ``coef_t`` (n,):
@@ -258,7 +261,10 @@ def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, ta
         group = cands[start:start + size]
         if not group:
             break
-        res = errors(group)
+        ok = [admissible is None or admissible(x) for x in group]
+        res = errors([x for x, y in zip(group, ok) if y]) if any(ok) else []
+        it = iter(res)
+        res = [next(it) if y else (math.inf, None) for y in ok]
         passed = [i for i, (x, _) in enumerate(res) if x <= MAX_ERROR]
         if passed:
             choice, direction = start + passed[0], res[passed[0]][1]

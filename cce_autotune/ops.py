@@ -411,7 +411,8 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         # the direction of the dead-tile correction when the filter needs it (chunked plans only).
         eps, checked, direction = accuracy.choose_filter(
             e, c, bias, p.rows, p.targets, lse_v, p.softcap, tmap, bw.block_b, bw.block_v, eps, accuracy.SCALES,
-            coef_s, coef_t, correctable=bw.strategy in ("auto", "chunked") and not o.deterministic)
+            coef_s, coef_t, correctable=bw.strategy in ("auto", "chunked") and not o.deterministic,
+            admissible=lambda x: planner.admissible(tmap, lse_v, x))
         planner.report_check(prob, checked, accuracy.MAX_ERROR)
         if eps != p.filter_eps:
             measured = (f"filter_eps lowered to {eps:.2g} by the measured dE error (at most {accuracy.MAX_ERROR:g})"
@@ -448,7 +449,9 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         e, ck, bias, p.layout, target_pos, lse_v, coef_s, coef_t, perm,
         p.softcap, eps, bw, plan, tile_map=tmap if plan.use_map else None,
         live=live, chunks=chunks, targets=p.targets, dc_dtype=c.dtype, deterministic=o.deterministic,
-        dead_dir=direction if plan.use_map and plan.strategy == "chunked" else None,
+        # (not where the dropped-mass guard lowered the checked filter: the direction was fitted to what
+        # the checked filter drops)
+        dead_dir=direction if plan.use_map and plan.strategy == "chunked" and plan.filter_eps is None else None,
     )
     if coef_u is not None:
         csum = state.csum if state is not None and state.csum is not None else _column_sum(c)

@@ -63,6 +63,7 @@ __all__ = [
     "chunked_shape",
     "report",
     "report_check",
+    "admissible",
     "set_cost_model",
 ]
 
@@ -615,6 +616,13 @@ def unfiltered_cost(p: Problem, variant, budget: int | None, costs: CostModel, f
 # stops coarse filters (a config tuned on other data) and cannot promise 1e-2 by itself.
 MAX_DROPPED = 0.18
 EPS_SCALES = (1.0, 2.0**-4, 2.0**-8)
+
+
+def admissible(tile_map, lse, filter_eps: float) -> bool:
+    """The dropped-mass guard lets ``filter_eps`` run as it is (:data:`MAX_DROPPED`; one host copy)."""
+    from .tile_map import dropped_share
+
+    return float(dropped_share(tile_map, lse, filter_eps)) <= MAX_DROPPED
 
 
 def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="auto", gpu: str | None = None,

@@ -138,6 +138,23 @@ def test_candidates_are_measured_in_groups_until_one_passes(device, monkeypatch)
             assert m_err == pytest.approx(full[m_eps], rel=1e-5)
 
 
+def test_candidates_the_guard_rejects_are_not_measured(device, monkeypatch):
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
+    lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
+    rows = torch.arange(64, device=device)
+    monkeypatch.setattr(accuracy, "MAX_ERROR", 1.0)  # every measured candidate passes
+    scales = (1.0, 0.5, 0.25, 0.125)
+    asked = []
+    eps, measured, _ = accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, scales,
+                                              admissible=lambda x: (asked.append(x), x < 2.0**-5)[1])
+    assert eps == 2.0**-6 and [m[0] for m in measured] == [2.0**-6, 2.0**-7]  # 2^-4, 2^-5 not measured
+    assert asked == [2.0**-4, 2.0**-5, 2.0**-6, 2.0**-7]
+    accuracy.clear()
+    eps, measured, _ = accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, scales,
+                                              admissible=lambda x: False)
+    assert eps is None and measured == ()  # none may run: exact
+
+
 def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch):
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
