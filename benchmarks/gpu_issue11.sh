@@ -20,6 +20,8 @@
 #            than PyTorch's while its loss alone is faster).
 #   PHASE=k  (one GPU) the dead-tile correction: its tests on CUDA, four real-data heads, Gemma 2 with softcap,
 #            the training loop at two heads.
+#   PHASE=l, m (two GPUs; prepared, not yet run) re-tune the backward on real data under the correction at the
+#            heads whose entries were tuned exact or on LM-like data, merge, and tally merged vs built-in.
 # State lives in /tmp/persist between the runs; each run packs it under $OUT. Carry .whl (optuna & deps).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc CCE_AUTOTUNE_DATA_DIR=/tmp/real
@@ -127,6 +129,25 @@ k)  # the dead-tile correction: its tests on CUDA, real data at four heads (ship
   rm -f $OUT/*.png; grep -hE "fw\+bw|train_step" $OUT/*.txt | grep "ms "
   grep -h "check (" $OUT/*.txt | cut -c1-230 | sort | uniq -c | sort -rn | head -12
   grep -h "plan (" $OUT/*.txt | sed -E 's/est [0-9.]+ mm, //; s/[0-9.]+%/X%/g' | cut -c1-230 | sort | uniq -c | sort -rn | head -16 ;;
+l)  # (two GPUs, kind nvidia-h200-x2; prepared, not yet run) re-tune the backward at 8192 tokens on real data under the
+    # dead-tile correction, at the heads that ran exact or on LM-tuned entries before it; cost model from the shipped file
+  tune bw4 575 --heads 262144:1152,262208:2560,128256:3072,152064:3584 --tokens 8192 --kernels backward --data real \
+       --no-calibrate --workers 2 --budget-minutes 4.6
+  summary bw4
+  tar czf $OUT/phase_l.tgz -C $P --exclude='*.pt' . ;;
+m)  # (after l, same machine) Gemma 2's softcapped heads likewise, then the merge and the tally: merged vs built-in, real data
+  tune g2 200 --heads 256000:2304,256000:3584 --softcap --tokens 8192 --kernels backward --data real --no-calibrate \
+       --workers 2 --budget-minutes 1.6
+  mkdir -p $P/m
+  python3 -m cce_autotune.cli merge tuned_configs/h200.yaml $P/bw4/h200.yaml $P/g2/h200.yaml --out $P/m/h200.yaml > $P/merge.log 2>&1
+  tail -4 $P/merge.log
+  S=8192:262144:1152,8192:262208:2560,8192:128256:3072,8192:152064:3584,8192:128256:4096
+  CCE_AUTOTUNE_CONFIG_DIR=$P/m timeout 170 python3 -m cce_autotune.bench --data real --shapes $S --no-peers \
+       --methods torch,cce_autotune --reps 30 --out $OUT --tag merged > $OUT/merged.txt 2>&1
+  CCE_AUTOTUNE_NO_CONFIGS=1 timeout 90 python3 -m cce_autotune.bench --data real --shapes $S --no-peers \
+       --methods cce_autotune --reps 30 --out $OUT --tag none > $OUT/none.txt 2>&1
+  summary g2; rm -f $OUT/*.png; grep -hE "fw\+bw" $OUT/merged.txt $OUT/none.txt | grep "ms "
+  cp $P/m/h200.yaml $OUT/h200_merged.yaml ;;
 e)  # (one GPU) the --data FILE path end to end: activations saved from real data, calibration on them, a study
   python3 -c "
 import torch; from cce_autotune.data import make_data; from cce_autotune import save_activations
