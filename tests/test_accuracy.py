@@ -253,9 +253,15 @@ def test_corrected_error_against_brute_force(softcap):
     assert raw[1] > 1e-2 and corr[1] < raw[1] / 4  # the clustered rows' dropped terms point one way
 
 
-def test_chunked_backward_adds_the_dead_mass_along_the_direction(device, no_accuracy_guard, monkeypatch):
+@pytest.mark.parametrize("shifted", [False, True])
+def test_chunked_backward_adds_the_dead_mass_along_the_direction(device, no_accuracy_guard, monkeypatch, shifted):
     e, c, t = _clustered()
     e, c, t = e.to(device), c.to(device), t.to(device)
+    kw = {}
+    if shifted:  # a (2, 32) batch, each position predicting the next token, two targets ignored: gathered rows
+        e, t = e.view(2, 32, -1), t.view(2, 32).clone()
+        t[0, 5] = t[1, 20] = -100
+        kw = dict(shift=1)
     eps = 2.0**-6
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="chunked"))
     u = torch.randn(e.shape[1], generator=torch.Generator().manual_seed(3)).to(device)
@@ -266,17 +272,29 @@ def test_chunked_backward_adds_the_dead_mass_along_the_direction(device, no_accu
         monkeypatch.setattr(accuracy, "choose_filter", lambda *a, d=direction, **k: (eps, (), d))
         ee, cc = e.clone().requires_grad_(), c.clone()
         prime_order(cc, ee, "sorted")
-        linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
-        grads.append(ee.grad.double())
+        linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, **kw).backward()
+        grads.append(ee.grad.double().reshape(-1, e.shape[-1]))
     bb, bv = kv.backward.block_b, kv.backward.block_v
-    n, V = e.shape[0], c.shape[0]
-    dead = accuracy.map_dead(seen["tmap"], seen["lse"], torch.arange(n, device=device), [eps], V, bb, bv)[0]
+    V, D = c.shape[0], e.shape[-1]
+    # the problem's positions: the rows of E that predict a target, and those targets
+    rows = torch.arange(e.numel() // D, device=device)
+    tgt = t.reshape(-1)
+    if shifted:
+        rows, tgt = rows.view(2, 32)[:, :-1].reshape(-1), t[:, 1:].reshape(-1)
+    lse = seen["lse"]
+    assert lse.shape[0] == rows.shape[0] and int(torch.isinf(lse).sum()) == (2 if shifted else 0)
+    n_valid = int((tgt != -100).sum())
+    dead = accuracy.map_dead(seen["tmap"], lse, torch.arange(rows.shape[0], device=device), [eps], V, bb, bv)[0]
     mask = dead[:, accuracy.column_tiles(V, bv, seen["tmap"].perm, device)].double()
-    p = torch.softmax(e.double() @ c.double().T, 1)
+    p = torch.softmax(e.reshape(-1, D)[rows].double() @ c.double().T, 1) * (tgt != -100).double()[:, None]
     mass = (p * mask).sum(1)
     assert (mass > 1e-3).float().mean() > 0.5  # most rows have skipped tiles
-    want = (mass / n)[:, None] * u.double()[None, :]  # coef_s = 1/n (mean)
+    want = torch.zeros_like(grads[0])
+    want[rows] = (mass / n_valid)[:, None] * u.double()[None, :]  # coef_s = 1/n_valid (mean)
     assert (grads[1] - grads[0] - want).norm() <= 1e-4 * want.norm()
+    if shifted:  # the last position of each sequence and those predicting an ignored target get nothing
+        for r in (31, 63, 4, 51):
+            assert (grads[1][r] - grads[0][r]).abs().max() == 0
 
 
 def test_check_takes_the_correction_where_the_plain_filter_is_not_accurate(device, monkeypatch):
