@@ -680,6 +680,8 @@ def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="aut
         plan = replace(plan, filter_eps=eps, reason=f"filter_eps lowered to {eps:.2g} (at {filter_eps:.2g} the filter "
                                                     f"would drop more than {MAX_DROPPED:g} of the gradient's mass); "
                        + plan.reason)
+    if eps != filter_eps and chunked_only:  # (the caller applies the correction only at its checked filter)
+        plan = replace(plan, reason="no dead-tile correction at the lowered filter; " + plan.reason)
     if why:  # how the caller chose filter_eps (the measured check of cce_autotune.accuracy)
         plan = replace(plan, reason=why + "; " + plan.reason)
     pause = False

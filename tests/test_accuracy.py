@@ -155,6 +155,29 @@ def test_candidates_the_guard_rejects_are_not_measured(device, monkeypatch):
     assert eps is None and measured == ()  # none may run: exact
 
 
+def test_guard_lowering_the_checked_filter_drops_the_correction(device, monkeypatch):
+    e, c, t = _clustered()
+    e, c, t = e.to(device), c.to(device), t.to(device)
+    eps = 2.0**-6
+    u = torch.ones(e.shape[1], device=device)
+    monkeypatch.setattr(accuracy, "choose_filter", lambda *a, **k: (eps, (), u))  # a remembered corrected choice
+    from cce_autotune import tile_map
+
+    # the guard's bound: too much at the checked filter, nothing 16x below it
+    monkeypatch.setattr(tile_map, "dropped_share", lambda tm, lse, x: torch.tensor(1.0 if x > 2.0**-8 else 0.0))
+    monkeypatch.setattr(planner, "PAUSE_SHARE", math.inf)
+    got = []
+    real = kernels.backward
+    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (got.append((a[12], k.get("dead_dir"))), real(*a, **k))[1])
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
+    ee, cc = e.clone().requires_grad_(), c.clone()
+    prime_order(cc, ee, "sorted")
+    linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
+    plan, d = got[-1]
+    assert plan.use_map and plan.filter_eps == eps / 16  # filtered, at the lowered filter
+    assert d is None and "no dead-tile correction at the lowered filter" in plan.reason
+
+
 def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch):
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
