@@ -261,17 +261,17 @@ def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, ta
         group = cands[start:start + size]
         if not group:
             break
-        ok = [admissible is None or admissible(x) for x in group]
-        res = errors([x for x, y in zip(group, ok) if y]) if any(ok) else []
-        it = iter(res)
-        res = [next(it) if y else (math.inf, None) for y in ok]
+        res = [(math.inf, None)] * len(group)  # a candidate the guard would lower does not pass
+        allowed = [i for i, x in enumerate(group) if admissible is None or admissible(x)]
+        for i, r in zip(allowed, errors([group[i] for i in allowed]) if allowed else ()):
+            res[i] = r
         passed = [i for i, (x, _) in enumerate(res) if x <= MAX_ERROR]
         if passed:
             choice, direction = start + passed[0], res[passed[0]][1]
             break
         start += size
     if choice < len(cands):  # (an exact verdict is not remembered: the caller pauses the classifier)
-        remember(c, filter_eps, choice, direction=direction, correctable=correctable)
+        remember(c, filter_eps, choice, direction=direction)
     return (cands[choice] if choice < len(cands) else None), tuple(measured), direction
 
 
@@ -280,7 +280,7 @@ def choose_filter(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, ta
 
 MAX_ENTRIES = 8
 _lock = threading.Lock()
-# key -> [filter_eps asked, correctable, choice, calls left, direction]
+# key -> [filter_eps asked, choice, calls left, direction]
 _memo: "OrderedDict[tuple, list]" = OrderedDict()
 
 
@@ -292,20 +292,20 @@ def remembered(c: torch.Tensor, filter_eps: float, correctable: bool = False) ->
     key = _key(c)
     with _lock:
         entry = _memo.get(key)
-        if entry is None or entry[0] != filter_eps or entry[3] <= 0 or (entry[4] is not None and not correctable):
+        if entry is None or entry[0] != filter_eps or entry[2] <= 0 or (entry[3] is not None and not correctable):
             return None
-        entry[3] -= 1
+        entry[2] -= 1
         _memo.move_to_end(key)
-        return entry[2], entry[4]
+        return entry[1], entry[3]
 
 
 def remember(c: torch.Tensor, filter_eps: float, choice: int, calls: int | None = None,
-             direction: torch.Tensor | None = None, correctable: bool = False) -> None:
+             direction: torch.Tensor | None = None) -> None:
     """Keep ``choice`` (and the correction's ``direction``, if any) for the next ``calls`` (default
     :data:`CHECK_EVERY`) backward calls of classifier ``c`` at ``filter_eps``."""
     calls = CHECK_EVERY if calls is None else calls
     with _lock:
-        _memo[_key(c)] = [filter_eps, correctable, choice, calls, direction]
+        _memo[_key(c)] = [filter_eps, choice, calls, direction]
         _memo.move_to_end(_key(c))
         while len(_memo) > MAX_ENTRIES:
             _memo.popitem(last=False)
