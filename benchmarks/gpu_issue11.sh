@@ -20,8 +20,14 @@
 #            than PyTorch's while its loss alone is faster).
 #   PHASE=k  (one GPU) the dead-tile correction: its tests on CUDA, four real-data heads, Gemma 2 with softcap,
 #            the training loop at two heads.
-#   PHASE=l, m (two GPUs; prepared, not yet run) re-tune the backward on real data under the correction at the
-#            heads whose entries were tuned exact or on LM-like data, merge, and tally merged vs built-in.
+#   PHASE=l, m (two GPUs) re-tune the backward on real data under the correction at the heads whose entries were
+#            tuned exact or on LM-like data, merge, and tally merged vs built-in at five heads.
+#   PHASE=n  (two GPUs, fresh machine) the tally at all twelve shipped heads, B=8192, real data: the shipped file
+#            (with m's merge) against the built-in defaults, six heads per GPU, both on the same GPU.
+#   PHASE=o  (one GPU) the same for Gemma 2 3584 (whose rows n did not bring back) and, again, the two heads nearest
+#            1.15x in n (Llama 3 8B, Gemma 3 4B); the plans of Llama 3.2 1B, shipped and built-in.
+#   PHASE=p  (two GPUs) Llama 3.2 1B and Qwen 2.5 0.5B, whose backward entries (tuned before the correction) ran
+#            slower on the device than the built-in plan with it: re-tune at 8192, merge, tally (one head per GPU).
 # State lives in /tmp/persist between the runs; each run packs it under $OUT. Carry .whl (optuna & deps).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc CCE_AUTOTUNE_DATA_DIR=/tmp/real
@@ -32,6 +38,14 @@ tune() { local name=$1 limit=$2; shift 2; local t0=$(date +%s)
   timeout "$limit" python3 -m cce_autotune.cli --gpu h200 --out $P/$name --storage sqlite:///$P/$name.db "$@" > $P/$name.log 2>&1
   echo "rc $? wall $(( $(date +%s) - t0 )) s" >> $P/$name.log; }
 summary() { for f in "$@"; do echo "== $f"; grep -E "^calibration|winner|no variant|^done|^rc |Traceback|Error" $P/$f.log | tail -40; done; }
+# shipped (and the default variants in the same process), then the built-in defaults alone, on GPU $1: heads $2
+# (B:V:D list), softcapped heads $3 (softcap 30)
+tally() { local g=$1 S=$2 sc=$3; local B="python3 -m cce_autotune.bench --data real --no-peers --reps 30 --out $OUT"
+    CUDA_VISIBLE_DEVICES=$g timeout 260 $B --shapes $S --methods torch,cce_autotune,cce_autotune_default --tag s$g > $OUT/s$g.txt 2>&1
+    CUDA_VISIBLE_DEVICES=$g CCE_AUTOTUNE_NO_CONFIGS=1 timeout 90 $B --shapes $S --methods cce_autotune --tag n$g > $OUT/n$g.txt 2>&1
+    [ -z "$sc" ] && return
+    CUDA_VISIBLE_DEVICES=$g timeout 75 $B --shapes $sc --softcap 30 --methods torch,cce_autotune,cce_autotune_default --tag sc$g > $OUT/sc$g.txt 2>&1
+    CUDA_VISIBLE_DEVICES=$g CCE_AUTOTUNE_NO_CONFIGS=1 timeout 40 $B --shapes $sc --softcap 30 --methods cce_autotune --tag nc$g > $OUT/nc$g.txt 2>&1; }
 case "${PHASE:-a}" in
 a)
   nvidia-smi -L
@@ -129,7 +143,7 @@ k)  # the dead-tile correction: its tests on CUDA, real data at four heads (ship
   rm -f $OUT/*.png; grep -hE "fw\+bw|train_step" $OUT/*.txt | grep "ms "
   grep -h "check (" $OUT/*.txt | cut -c1-230 | sort | uniq -c | sort -rn | head -12
   grep -h "plan (" $OUT/*.txt | sed -E 's/est [0-9.]+ mm, //; s/[0-9.]+%/X%/g' | cut -c1-230 | sort | uniq -c | sort -rn | head -16 ;;
-l)  # (two GPUs, kind nvidia-h200-x2; prepared, not yet run) re-tune the backward at 8192 tokens on real data under the
+l)  # (two GPUs, kind nvidia-h200-x2) re-tune the backward at 8192 tokens on real data under the
     # dead-tile correction, at the heads that ran exact or on LM-tuned entries before it; cost model from the shipped file
   tune bw4 575 --heads 262144:1152,262208:2560,128256:3072,152064:3584 --tokens 8192 --kernels backward --data real \
        --no-calibrate --workers 2 --budget-minutes 4.6
@@ -148,6 +162,29 @@ m)  # (after l, same machine) Gemma 2's softcapped heads likewise, then the merg
        --methods cce_autotune --reps 30 --out $OUT --tag none > $OUT/none.txt 2>&1
   summary g2; rm -f $OUT/*.png; grep -hE "fw\+bw" $OUT/merged.txt $OUT/none.txt | grep "ms "
   cp $P/m/h200.yaml $OUT/h200_merged.yaml ;;
+n)  # (two GPUs) shipped vs built-in at the twelve shipped heads; per GPU: shipped (and the default variants in the
+    # same process), then the built-in defaults alone
+  tally 0 8192:262144:1152,8192:262208:2560,8192:128256:3072,8192:152064:3584,8192:128256:4096 8192:256000:2304 &
+  tally 1 8192:128256:2048,8192:151936:896,8192:32768:4096,8192:32064:3072,8192:50257:768 8192:256000:3584 &
+  wait; rm -f $OUT/*.png
+  for f in $OUT/*.txt; do echo "== $f"; grep -E "fw\+bw" $f | grep "ms "; grep -E "Traceback|Error" $f | tail -3; done ;;
+o)  tally 0 8192:128256:4096,8192:262208:2560 8192:256000:3584
+  # Llama 3.2 1B: which plans run (n: the built-in's 15 ms off the device; the shipped entry's none)
+  for cfg in s n; do [ $cfg = n ] && export CCE_AUTOTUNE_NO_CONFIGS=1
+    CCE_AUTOTUNE_EXPLAIN=1 timeout 60 python3 -m cce_autotune.bench --data real --no-peers --reps 30 --shapes 8192:128256:2048 \
+      --methods cce_autotune --out $OUT --tag l1$cfg > $OUT/l1$cfg.txt 2>&1; done; unset CCE_AUTOTUNE_NO_CONFIGS
+  grep -h "plan (" $OUT/l1*.txt | sed -E 's/[0-9.]+%/X%/g' | cut -c1-260 | sort | uniq -c | sort -rn | head -8
+  rm -f $OUT/*.png; grep -hE "fw\+bw" $OUT/*.txt | grep "ms "; grep -hE "Traceback|Error" $OUT/*.txt | tail -3
+  cd $OUT && tar czf o.tgz *.csv *.txt && rm -f *.csv *.txt ;;
+p)  tune bw2 200 --heads 128256:2048,151936:896 --tokens 8192 --kernels backward --data real --no-calibrate --workers 2 \
+       --budget-minutes 2.0
+  summary bw2; mkdir -p $P/p
+  python3 -m cce_autotune.cli merge tuned_configs/h200.yaml $P/bw2/h200.yaml --out $P/p/h200.yaml 2>&1 | tail -3
+  cp $P/p/h200.yaml $OUT/h200_merged.yaml
+  export CCE_AUTOTUNE_CONFIG_DIR=$P/p
+  tally 0 8192:128256:2048 "" & tally 1 8192:151936:896 "" & wait
+  rm -f $OUT/*.png; grep -hE "fw\+bw" $OUT/*.txt | grep "ms "; grep -hE "Traceback|Error" $OUT/*.txt | tail -3
+  cd $OUT && tar czf p.tgz *.csv *.txt && rm -f *.csv *.txt ;;
 e)  # (one GPU) the --data FILE path end to end: activations saved from real data, calibration on them, a study
   python3 -c "
 import torch; from cce_autotune.data import make_data; from cce_autotune import save_activations
