@@ -455,18 +455,17 @@ _seen: set = set()
 last_plan: tuple | None = None  # (BackwardPlan, Problem) of the latest plan made (cce_autotune.calibrate reads it)
 
 
-def report(plan: BackwardPlan, p: Problem) -> None:
+def report(plan: BackwardPlan, p: Problem, checked: str = "") -> None:
     """Print the plan to stderr when ``$CCE_AUTOTUNE_EXPLAIN`` is set: every new (shape, strategy,
-    shape of groups, map or not, filter the accuracy checks chose) once, or every plan with
-    ``$CCE_AUTOTUNE_EXPLAIN=all``."""
+    shape of groups, map or not, filter, what the accuracy check chose: ``checked``, the text
+    :func:`decide` puts before the reason) once, or every plan with ``$CCE_AUTOTUNE_EXPLAIN=all``."""
     global last_plan
     last_plan = (plan, p)
     mode = os.environ.get(ENV_EXPLAIN, "").strip().lower()
     if mode in ("", "0", "false", "no"):
         return
-    measured = plan.reason.split(";")[0] if "measured" in plan.reason else ""
     key = (p.n, p.V, p.D, plan.strategy, plan.chunk_v, plan.row_group, plan.de_fp32, plan.window_v, plan.row_block,
-           plan.use_map, plan.filter_eps, measured)
+           plan.use_map, plan.filter_eps, checked)
     if mode != "all":
         with _seen_lock:
             if key in _seen:
@@ -695,5 +694,5 @@ def decide(p: Problem, variant, filter_eps, tile_map, lse, max_extra_memory="aut
         live = chunks = None
     elif plan.strategy != "chunked":
         chunks = None
-    report(plan, p)
+    report(plan, p, why or "")
     return plan, live, chunks, pause

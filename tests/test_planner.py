@@ -207,6 +207,17 @@ def test_explain_prints_each_new_plan_once(device, monkeypatch, capsys):
     assert "est " in err and "MiB extra (budget" in err
 
 
+def test_explain_prints_a_plan_again_when_the_check_chose_otherwise(monkeypatch, capsys):
+    monkeypatch.setenv(planner.ENV_EXPLAIN, "1")
+    planner._seen.clear()
+    p = Problem(n=8, n_all=8, V=100, D=4, elem=2, grad_bytes=0)
+    plan = planner.BackwardPlan(strategy="chunked", use_map=True, chunk_v=64, reason="fastest estimate")
+    for checked in ("", "", "the dead-tile correction (measured)", "the dead-tile correction (measured)",
+                    "filter_eps lowered to 3.8e-06 by the measured dE error (at most 0.007)"):
+        planner.report(plan, p, checked)
+    assert capsys.readouterr().err.count("cce_autotune plan (n=8, V=100, D=4)") == 3
+
+
 # -- every plan shape against the oracle ------------------------------------------------------
 def _force(monkeypatch, **shapes):
     """Make the planner produce the given shapes whatever the budget (tiny tests fit everything)."""
