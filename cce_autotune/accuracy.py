@@ -304,9 +304,10 @@ def remember(c: torch.Tensor, filter_eps: float, choice: int, calls: int | None 
     """Keep ``choice`` (and the correction's ``direction``, if any) for the next ``calls`` (default
     :data:`CHECK_EVERY`) backward calls of classifier ``c`` at ``filter_eps``."""
     calls = CHECK_EVERY if calls is None else calls
+    key = _key(c)
     with _lock:
-        _memo[_key(c)] = [filter_eps, choice, calls, direction]
-        _memo.move_to_end(_key(c))
+        _memo[key] = [filter_eps, choice, calls, direction]
+        _memo.move_to_end(key)
         while len(_memo) > MAX_ENTRIES:
             _memo.popitem(last=False)
 

@@ -51,13 +51,13 @@ def classifier_key(c: torch.Tensor) -> tuple:
     return (str(c.device), c.data_ptr(), tuple(c.shape), tuple(c.stride()), c.dtype)
 
 
-
 def lookup(c: torch.Tensor) -> torch.Tensor | None:
     """The order (int32 (V,) permutation) last remembered for classifier ``c``, or None."""
+    key = classifier_key(c)
     with _lock:
-        perm = _orders.get(classifier_key(c))
+        perm = _orders.get(key)
         if perm is not None:
-            _orders.move_to_end(classifier_key(c))
+            _orders.move_to_end(key)
         return perm
 
 
@@ -65,9 +65,10 @@ def remember(c: torch.Tensor, perm: torch.Tensor) -> None:
     """Keep ``perm`` as the vocabulary order of classifier ``c``."""
     if perm.shape != (c.shape[0],):
         raise ValueError(f"perm: expected shape ({c.shape[0]},), got {tuple(perm.shape)}")
+    key = classifier_key(c)
     with _lock:
-        _orders[classifier_key(c)] = perm
-        _orders.move_to_end(classifier_key(c))
+        _orders[key] = perm
+        _orders.move_to_end(key)
         while len(_orders) > MAX_ENTRIES:
             _orders.popitem(last=False)
 
