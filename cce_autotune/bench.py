@@ -225,7 +225,7 @@ def _methods(include_peers: bool, softcap: float | None = None) -> list[Method]:
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        liger = LigerFusedLinearCrossEntropyLoss(softcap=sc) if sc is not None else LigerFusedLinearCrossEntropyLoss()
+        liger = LigerFusedLinearCrossEntropyLoss(softcap=sc)  # (its default softcap is None)
         ms.append(Method("liger_flce", lambda e, c, t: liger(c, e, t), fused_backward=True))
     except Exception as exc:
         print(f"# liger-kernel unavailable: {exc!r}", file=sys.stderr)
