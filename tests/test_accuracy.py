@@ -33,6 +33,15 @@ def _brute_force(e, c, bias, t, lse, softcap, tile, block_b, eps, cs, ct):
     return float(((p * cs[:, None] * d * dead) @ c).norm() / (g @ c).norm())
 
 
+def _dead_tiles(p, tile, block_b, eps_list):
+    """(candidates, rows, tiles) bool: the tiles (``tile``: each column's) whose softmax ``p`` stays
+    below each filter over a whole block of ``block_b`` rows."""
+    n = p.shape[0]
+    tmax = torch.zeros(n // block_b, int(tile.max()) + 1, dtype=p.dtype)
+    tmax.scatter_reduce_(1, tile.expand(n // block_b, -1), p.view(n // block_b, block_b, -1).amax(1), reduce="amax")
+    return torch.stack([(tmax < x).repeat_interleave(block_b, dim=0) for x in eps_list])
+
+
 @pytest.mark.parametrize("softcap, with_bias", [(None, False), (30.0, True)])
 def test_filter_errors_against_brute_force(softcap, with_bias):
     torch.manual_seed(0)
@@ -47,9 +56,7 @@ def test_filter_errors_against_brute_force(softcap, with_bias):
     tile = accuracy.column_tiles(V, bv, perm, "cpu")
     eps = [1e-2, 1e-4, 1e-5]
     p = torch.softmax(softcap * torch.tanh(z / softcap) if softcap else z, 1) * torch.isfinite(lse)[:, None]
-    tmax = torch.zeros(n // bb, int(tile.max()) + 1, dtype=torch.float64)
-    tmax.scatter_reduce_(1, tile.expand(n // bb, -1), p.view(n // bb, bb, V).amax(1), reduce="amax")
-    dead = torch.stack([(tmax < x).repeat_interleave(bb, dim=0) for x in eps])  # (candidates, rows, tiles)
+    dead = _dead_tiles(p, tile, bb, eps)
     # Row coefficients as token weights / z-loss / label smoothing make them (the softmax and the
     # onehot parts apart).
     cs, ct = torch.rand(n, dtype=torch.float64) + 0.5, torch.rand(n, dtype=torch.float64)
@@ -250,10 +257,8 @@ def test_corrected_error_against_brute_force(softcap):
     tile = accuracy.column_tiles(V, bv, perm, "cpu")
     valid = torch.isfinite(lse).double()
     p = torch.softmax(zz, 1) * valid[:, None]
-    tmax = torch.zeros(n // bb, int(tile.max()) + 1, dtype=torch.float64)
-    tmax.scatter_reduce_(1, tile.expand(n // bb, -1), p.view(n // bb, bb, V).amax(1), reduce="amax")
     eps = [2.0**-6, 2.0**-9]
-    dead = torch.stack([(tmax < x).repeat_interleave(bb, dim=0) for x in eps])
+    dead = _dead_tiles(p, tile, bb, eps)
     cs, ct = torch.rand(n, dtype=torch.float64) + 0.5, torch.rand(n, dtype=torch.float64)
     raw, corr, direction = accuracy.filter_fit(e, c, None, t, lse, softcap, tile, dead, cs, ct, chunk_v=64)
     sd = 1 - th * th if softcap else torch.ones_like(p)
