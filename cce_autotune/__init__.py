@@ -2,6 +2,13 @@
 
 The public names are imported on first use (PEP 562), so that ``cce-tune --help`` and other
 commands that need no kernel do not pay for importing PyTorch.
+
+The flow of a call: :mod:`.api` (the function and its Module) -> :mod:`.runtime` (the custom
+operators, one call's tensors, the execution of its plan) -> :mod:`.planning` (the call's plan: the
+budget, the cost model, the filter's accuracy check) -> :mod:`.strategies` (each way of computing the
+gradients, and the forward's kernels) -> :mod:`.codegen` (templates rendered into Triton kernels).
+Beside it: :mod:`.configdb` (the tuned-config database and the dispatcher), :mod:`.memory` (what is
+remembered per classifier), :mod:`.tuner` (cce-tune), :mod:`.data`, :mod:`.integrations`, :mod:`.cli`.
 """
 
 from __future__ import annotations
@@ -23,16 +30,16 @@ __all__ = [
 __version__ = "0.1.0"
 
 _WHERE = {
-    "linear_cross_entropy": "loss",
-    "LinearCrossEntropy": "loss",
+    "linear_cross_entropy": "api",
+    "LinearCrossEntropy": "api",
     "KernelVariants": "variant",
     "IndexedDotVariant": "variant",
     "LSEForwardVariant": "variant",
     "BackwardVariant": "variant",
     "VariantError": "variant",
-    "save_activations": "activations",
-    "load_activations": "activations",
-    "capture_activations": "activations",
+    "save_activations": "data.captured",
+    "load_activations": "data.captured",
+    "capture_activations": "data.captured",
 }
 
 

@@ -15,10 +15,10 @@ prints a table, writes a CSV and (with matplotlib) a PNG chart.
 
 Data: ``lm`` (``cce_autotune.data.lm_like``: Zipfian tokens, peaked softmax with 4 nats of mean
 entropy) is the main case; ``random`` (N(0,1)/D^¼ inputs, uniform targets) the second; ``real``
-(``cce_autotune.realdata``: hidden states and classifier of a small GPT trained for ``--train-steps``
+(``cce_autotune.data.real``: hidden states and classifier of a small GPT trained for ``--train-steps``
 steps on the Python standard library's source, on held-out text) runs on its own heads ``gpt768``,
 ``gpt2048``, ``gpt4096`` unless ``--shapes`` says otherwise. An activation file saved from a real run
-(``--data acts.pt``; :mod:`cce_autotune.activations`) runs on its own head with all its rows (or the
+(``--data acts.pt``; :mod:`cce_autotune.data.captured`) runs on its own head with all its rows (or the
 B of a ``--shapes`` B:V:D triple); every method times the plain loss (the file's bias and softcap are
 not applied). ``--softcap S`` applies a logit softcap ``S * tanh(z / S)`` (Gemma 2's 30) in every
 method, the peers' included, and in the reference; the shape's name then ends in ``+softcapS``.
@@ -45,10 +45,12 @@ from typing import Callable
 
 import torch
 
-from . import realdata, reference, vocab_order
+from . import memory
+from .api import linear_cross_entropy
 from .data import DATA_KINDS, TORCH_DTYPES, is_file_kind, load_file, make_data
-from .dispatch import default_variants
-from .loss import linear_cross_entropy
+from .data import real as realdata
+from .runtime import reference
+from .variant import KernelVariants
 
 __all__ = ["SHAPES", "DEFAULT_SHAPES", "resolve_shapes", "parse_data", "time_ms", "run_shape",
            "check_train_shape", "run_train", "main"]
@@ -57,7 +59,7 @@ SHAPES = {
     "gemma2": (8192, 256128, 2304),
     "llama3": (8192, 128256, 4096),
     "mistral": (8192, 32768, 4096),
-    # Heads of the small GPTs trained on the standard library (cce_autotune.realdata).
+    # Heads of the small GPTs trained on the standard library (cce_autotune.data.real).
     "gpt768": (8192, 50000, 768),
     "gpt2048": (8192, 50000, 2048),
     "gpt4096": (8192, 50000, 4096),
@@ -81,7 +83,7 @@ def parse_data(spec: str) -> list[str]:
                 raise ValueError(f"--data: {k}: no such activation file")
         elif k not in DATA_KINDS:
             raise ValueError(f"--data: {k!r} is not one of {list(DATA_KINDS)} nor an activation file "
-                             "(cce_autotune.activations.save_activations)")
+                             "(cce_autotune.data.captured.save_activations)")
     if not kinds:
         raise ValueError("--data: empty list")
     return kinds
@@ -203,9 +205,9 @@ def _methods(include_peers: bool, softcap: float | None = None) -> list[Method]:
         Method("torch", lambda e, c, t: torch.nn.functional.cross_entropy(_capped(e @ c.T, sc), t)),
         Method("cce_autotune", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc)),
         # Every call as the first call of its classifier: no remembered vocabulary order, no tile map.
-        Method("cce_autotune_cold", lambda e, c, t: (vocab_order.clear(), linear_cross_entropy(e, c, t, softcap=sc))[1]),
+        Method("cce_autotune_cold", lambda e, c, t: (memory.clear(), linear_cross_entropy(e, c, t, softcap=sc))[1]),
         Method("cce_autotune_default",
-               lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, variants=default_variants(e.element_size()))),
+               lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, variants=KernelVariants.defaults(e.element_size()))),
         Method("cce_autotune_exact", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, filter_eps=None)),
         # The same gradient bits every run (chunked or fused backward, no float atomics).
         Method("cce_autotune_deterministic", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, deterministic=True)),
@@ -336,7 +338,7 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
     (V, D) with each loss method.
 
     The model is pretrained once (``pretrain_steps`` steps of B tokens, the recipe of
-    :mod:`cce_autotune.realdata`); then each method starts from those same weights with a fresh AdamW
+    :mod:`cce_autotune.data.real`); then each method starts from those same weights with a fresh AdamW
     at the learning rate the pretraining schedule ended at, and takes ``warmup`` untimed and
     ``loop_steps`` timed steps on the same batches of B tokens (a batch the pretraining has not
     drawn).  A step is timed from the host, synchronised before and after: forward, loss, backward,
@@ -372,7 +374,7 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
         try:
             model.load_state_dict(init)
             model.zero_grad(set_to_none=True)
-            vocab_order.clear()
+            memory.clear()
             opt = realdata.make_optimizer(model, lr)
             batches = realdata.batches(train_ids, B // seq, seq, seed=1)
             times, losses = [], []
@@ -460,7 +462,7 @@ def main(argv=None) -> int:
                     help=f"comma list of {sorted(SHAPES)} or B:V:D triples (default per data kind: {DEFAULT_SHAPES})")
     ap.add_argument("--data", default="lm,random",
                     help=f"comma list of {', '.join(DATA_KINDS)} or activation files (.pt, written by "
-                         "cce_autotune.activations.save_activations / capture: their own head, all their rows)")
+                         "cce_autotune.data.captured.save_activations / capture: their own head, all their rows)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--classifier", default="same", choices=["same", "fp32"],
                     help="fp32: a mixed-precision loop's fp32 classifier with --dtype e (PyTorch under autocast, "

@@ -6,6 +6,10 @@
   sources + knobs + flags) and imported from there, so Triton can read the kernel's source and its
   own compile cache keys stay stable across processes.
 - :func:`render_source` returns the text of any variant, for people to read (``cce-tune render``).
+
+A *variant* here is any object with the knobs of :mod:`cce_autotune.variant`'s kernel variants
+(``kernel``, ``template``, ``kernel_function``, ``to_dict()``, ``template_knobs()``): this module knows
+Jinja, not the variants' schema (which reads the strategies' table, whose modules use this one).
 """
 
 from __future__ import annotations
@@ -26,16 +30,15 @@ from typing import Any
 import jinja2
 
 from .paths import cache_dir, resource_dir
-from .variant import KERNELS, _Variant
 
-__all__ = ["Flags", "render_source", "load_kernel", "template_hash", "interpreting"]
+__all__ = ["Flags", "render_source", "load_kernel", "template_hash", "template_files", "interpreting"]
 
-# Every template a kernel's variants may render (the backward has two strategies).
-TEMPLATE_FILES = {
-    "indexed_dot": ("indexed_dot.py.j2",),
-    "lse_forward": ("lse_forward.py.j2",),
-    "backward": ("backward.py.j2", "backward_chunked.py.j2", "backward_sparse.py.j2", "backward_fused.py.j2"),
-}
+def template_files(kernel: str) -> tuple:
+    """Every template a kernel's variants may render: ``<kernel>.py.j2`` and ``<kernel>_*.py.j2`` (the
+    backward's strategies each render ``backward_<strategy>.py.j2``)."""
+    tdir = resource_dir("templates")
+    return tuple(sorted(p.name for p in tdir.glob(f"{kernel}*.py.j2")
+                        if p.name == f"{kernel}.py.j2" or p.name.startswith(f"{kernel}_")))
 
 
 def interpreting() -> bool:
@@ -113,13 +116,13 @@ def template_hash(kernel: str) -> str:
     """Hash of a kernel's template and the shared macros: changes whenever the generated code may."""
     h = hashlib.sha256()
     tdir = resource_dir("templates")
-    for name in sorted({*TEMPLATE_FILES[kernel], "_common.j2"}):
+    for name in sorted({*template_files(kernel), "_common.j2"}):
         h.update(name.encode())
         h.update((tdir / name).read_bytes())
     return h.hexdigest()[:16]
 
 
-def _context(variant: _Variant, flags: Flags) -> dict:
+def _context(variant, flags: Flags) -> dict:
     knobs = variant.template_knobs()
     # Knobs that only the launcher uses (splits, filter value, ...) stay in the context: the summary
     # line shows them and templates may branch on them.
@@ -131,17 +134,18 @@ def _context(variant: _Variant, flags: Flags) -> dict:
     return ctx
 
 
-def render_source(variant: _Variant, flags: Flags = Flags()) -> str:
+def render_source(variant, flags: Flags = Flags()) -> str:
     """The Triton source of ``variant`` with ``flags``: what :func:`load_kernel` compiles."""
-    if variant.kernel not in TEMPLATE_FILES:
+    if not template_files(variant.kernel):
         raise ValueError(f"variant: unknown kernel {variant.kernel!r}")
     if getattr(variant, "strategy", None) == "auto":
-        raise ValueError("variant: strategy 'auto' is decided at launch (cce_autotune.planner); render a concrete one")
+        raise ValueError("variant: strategy 'auto' is decided at launch (cce_autotune.planning.planner); render a "
+                         "concrete one")
     template = _env().get_template(variant.template)
     return template.render(**_context(variant, flags))
 
 
-def source_key(variant: _Variant, flags: Flags) -> str:
+def source_key(variant, flags: Flags) -> str:
     blob = json.dumps(
         {"t": template_hash(variant.kernel), "v": variant.to_dict(), "f": flags.template_flags()},
         sort_keys=True,
@@ -167,7 +171,7 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def load_kernel(variant: _Variant, flags: Flags = Flags(), name: str | None = None):
+def load_kernel(variant, flags: Flags = Flags(), name: str | None = None):
     """Render (once), cache on disk (once) and import the kernel; returns the ``@triton.jit`` function
     (``variant.kernel_function``, or ``name`` for templates that hold several kernels)."""
     check_interpret_mode()

@@ -1,7 +1,9 @@
-"""The forward's tile map and the backward's list of live tiles.
+"""The vocabulary order, the forward's tile map and the backward's list of live tiles.
 
-When the forward walks a remembered vocabulary order (:mod:`cce_autotune.vocab_order`) it records,
-for every row i and vocabulary tile t of its own tiling, an int8
+The backward sorts the vocabulary by descending average logit (:func:`sort_order`) so that the few
+tiles with any gradient cluster; the classifier's next forward walks that order
+(:mod:`cce_autotune.memory` keeps it) and records, for every row i and vocabulary tile t of its own
+tiling, an int8
 
     q[t, i] >= 8 * (max_{j in t} z_ij - z_i,target) + 1/2        (127: no bound, keep the tile)
 
@@ -17,9 +19,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+from ._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 
-__all__ = ["TileMap", "live_grid", "dropped_share", "tile_ids", "live_tiles"]
+__all__ = ["sort_order", "TileMap", "live_grid", "dropped_share", "tile_ids", "live_tiles"]
+
+
+def sort_order(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The vocabulary by descending average logit over the rows of ``e_rows`` (n, D), counting row i
+    with ``weights[i]`` (0 for ignored rows; default 1): the order the backward sorts by.  The mean of
+    the rows times C is one matrix-vector product in the inputs' dtype (softcap, monotonic, is left
+    out of the key).  Returns an int32 (V,) permutation. Any permutation gives exact results: a stale
+    or foreign order only makes more tiles look live."""
+    n = max(1, e_rows.shape[0])
+    if weights is None:
+        mean = e_rows.sum(0) / n
+    else:
+        mean = (weights.to(e_rows.dtype) @ e_rows) / n
+    key = torch.mv(c, mean.to(c.dtype)).float()
+    if bias is not None:
+        key = key + bias.float()
+    return torch.argsort(key, descending=True).to(torch.int32)
 
 
 @dataclass

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
+from . import strategies
+
 __all__ = [
     "VariantError",
     "IndexedDotVariant",
@@ -204,43 +206,28 @@ class LSEForwardVariant(_TiledVariant):
 
 @dataclass(frozen=True)
 class BackwardVariant(_TiledVariant):
-    """Recompute tiles, form (softmax - onehot) * dloss, skip negligible tiles, accumulate dE, dC.
+    """The knobs of the gradients' kernels: tiles of (block_b tokens x block_v vocabulary) recomputed,
+    (softmax - onehot) * dloss formed, negligible tiles skipped, dE and dC accumulated.
 
     - ``filter_eps``: skip a tile when every softmax value in it is below this (and it holds no
       target); ``None`` computes the exact gradient.
-    - ``sort_vocab``: walk the vocabulary ordered by descending average logit (computed by the
-      forward kernel) so that the few live columns cluster into few tiles.
-    - ``accum``: ``"fp32"`` accumulates dE/dC with fp32 atomics in fp32 scratch buffers (accurate,
-      2x the gradient memory for 16-bit inputs); ``"native"`` adds straight into gradients of the
-      input dtype, read-modify-write under spin locks (no extra memory, one rounding per tile).
-    - ``num_locks``: lock pool for the native accumulation (dE row block b takes lock
-      ``b % num_locks``, dC vocab tile v takes lock ``v % num_locks`` of a second pool).
-    - ``strategy``: ``"tiles"`` is the kernel above; ``"chunked"`` takes the rows in groups (as
-      many as the memory budget allows) and the vocabulary in chunks of (at most) ``chunk_v``
-      columns: a kernel writes the block's gradient g (input dtype) to a small buffer and two cuBLAS
-      products form dC[chunk] += g^T E[group] (fp32 inside cuBLAS, one rounding per group) and
-      dE[group] += g C[chunk] (fp32 buffer of the group): no atomics, no V x D scratch. With the
-      tile map, dead tiles are written as zeros without recomputing them and blocks without a live
-      tile are skipped. ``"sparse"`` (needs the tile map): a kernel writes the
-      gradients of the live tiles only to a compact buffer, then one kernel forms each row block's
-      dE and one each vocabulary tile's dC from it (plus the target terms), written once in the
-      input dtype: no atomics and no fp32 scratch, at the price of the buffer (live tiles x
-      block_b x block_v elements); ``out_block_d`` is the D width of those two passes.
-      ``"fused"``: the gradient is computed during the forward, in blocks of rows: cuBLAS forms
-      the block's fp32 logits, a kernel its LSE and gradient g, cuBLAS dE[block] = g C and
-      dC += g^T E[block]; the backward only scales them by the incoming gradient. No recompute
-      (about 3 matmuls where the others need 4 when most tiles are live), at the price of the
-      logit block (rows x V, fp32, and g) and of one rounding of dC per block; for the "mean" and
-      "sum" reductions without the LSE's gradient (the planner takes it only then).
-      ``"auto"``: the planner chooses per call from the live share the tile map measures, the
-      cost model and the memory budget (:mod:`cce_autotune.planner`); another value is honoured
-      when it fits the budget.
-    - ``tile_map``: (filtered, sorted) the forward walks the
-      vocabulary in the order the previous backward of the same classifier sorted it into and
-      records, per row and tile, a bound on the largest logit (one byte each); the backward then
-      computes only the tiles that bound leaves live (and, chunked, only the blocks holding one)
-      instead of recomputing all of them, and adds the target (onehot) terms of dead tiles itself.  The first call of a classifier has no order yet and runs
-      as without the map.  See :mod:`cce_autotune.tile_map`.
+    - ``sort_vocab``: walk the vocabulary ordered by descending average logit so that the few live
+      columns cluster into few tiles.
+    - ``tile_map``: (filtered, sorted) the forward walks the vocabulary in the order the previous
+      backward of the same classifier sorted it into and records, per row and tile, a bound on the
+      largest logit (one byte each); the backward then computes only the tiles that bound leaves
+      live instead of recomputing all of them, and adds the target (onehot) terms of dead tiles
+      itself. The first call of a classifier has no order yet and runs as without the map. See
+      :mod:`cce_autotune.tile_map`.
+    - ``strategy``: how the gradients are computed: ``"auto"`` lets the planner choose per call from
+      the live share the tile map measures, the cost model and the memory budget
+      (:mod:`cce_autotune.planning.planner`); the name of a strategy of :mod:`cce_autotune.strategies`
+      is honoured when it fits the budget.
+    - The knobs that one strategy alone reads: ``accum`` and ``num_locks`` (the tiles strategy:
+      ``"fp32"`` atomics into fp32 scratch, or ``"native"`` read-modify-write in the input dtype under
+      a pool of ``num_locks`` spin locks), ``chunk_v`` (the chunked strategy's widest chunk) and
+      ``out_block_d`` (the D width of the sparse strategy's dE / dC passes); each strategy's module
+      lists its own (``Strategy.knobs``).
     """
 
     kernel: ClassVar[str] = "backward"
@@ -255,19 +242,11 @@ class BackwardVariant(_TiledVariant):
 
     @property
     def template(self) -> str:
-        return {"chunked": "backward_chunked.py.j2", "sparse": "backward_sparse.py.j2",
-                "fused": "backward_fused.py.j2"}.get(self.strategy, "backward.py.j2")
+        return strategies.get(self.strategy).template
 
     @property
     def kernel_function(self) -> str:
-        return {"chunked": "cce_grad_chunk_kernel", "sparse": "cce_sparse_grad_kernel",
-                "fused": "cce_fused_grad_kernel"}.get(self.strategy, "cce_backward_kernel")
-
-    def uses_tile_map(self, filter_eps: float | None) -> bool:
-        """Whether a call with ``filter_eps`` has the forward record the tile map for this variant
-        (every strategy can launch from it except the tile kernel with native accumulation)."""
-        return (self.tile_map and self.sort_vocab and filter_eps is not None
-                and not (self.accum == "native" and self.strategy == "tiles"))
+        return strategies.get(self.strategy).kernel_function
 
     def _validate_own(self) -> None:
         super()._validate_own()
@@ -280,7 +259,7 @@ class BackwardVariant(_TiledVariant):
             raise VariantError(f"sort_vocab={self.sort_vocab!r}: must be true or false")
         _check_choice("accum", self.accum, ("fp32", "native"))
         _check_pow2("num_locks", self.num_locks, 1, 4096)
-        _check_choice("strategy", self.strategy, ("auto", "tiles", "chunked", "sparse", "fused"))
+        _check_choice("strategy", self.strategy, ("auto", *strategies.names()))
         _check_pow2("out_block_d", self.out_block_d, 16, 256)
         _check_pow2("chunk_v", self.chunk_v, 16, 65536)
         if not isinstance(self.tile_map, bool):

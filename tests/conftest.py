@@ -21,17 +21,15 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def _forget_vocab_orders():
-    """Each test starts without remembered vocabulary orders or filter checks (a stale one only
+def _forget_classifiers():
+    """Each test starts without remembered vocabulary orders, pauses or filter checks (a stale one only
     costs speed or accuracy margin, but tests should not depend on which tensors an earlier test left
     at an address)."""
-    from cce_autotune import accuracy, vocab_order
+    from cce_autotune import memory
 
-    vocab_order.clear()
-    accuracy.clear()
+    memory.clear()
     yield
-    vocab_order.clear()
-    accuracy.clear()
+    memory.clear()
 
 
 @pytest.fixture
@@ -40,13 +38,37 @@ def device():
 
 
 @pytest.fixture
-def no_accuracy_guard(monkeypatch):
+def planned():
+    """The plans made during the test, in order (:class:`cce_autotune.planning.explain.Recorded`: each
+    call's backward, or its fused forward; ``.call`` is the whole call's plan)."""
+    from cce_autotune.planning import explain
+
+    with explain.recording() as made:
+        yield made
+
+
+@pytest.fixture
+def set_costs(monkeypatch):
+    """``set_costs(**values)``: the planner's cost model is the built-in one with these values (on a GPU
+    too: its tuned-config file's section is not read) for the rest of the test."""
+    from cce_autotune.configdb import dispatch
+    from cce_autotune.planning import costs
+
+    def set_(**values):
+        monkeypatch.setitem(costs.BUILTIN, "h200", {**costs.BUILTIN["h200"], **values})
+        monkeypatch.setattr(dispatch, "costs_for", lambda gpu: costs.builtin(gpu))
+
+    return set_
+
+
+@pytest.fixture
+def no_accuracy_guard(monkeypatch, set_costs):
     """Filter at exactly the variant's filter_eps, however much it drops: for tests of the skipping
     machinery with deliberately coarse filters (the planner's guard would lower them)."""
-    from cce_autotune import accuracy, planner
+    from cce_autotune.planning import filters
 
-    monkeypatch.setattr(planner, "MAX_DROPPED", float("inf"))
-    monkeypatch.setattr(accuracy, "MAX_ERROR", float("inf"))
+    set_costs(max_dropped=float("inf"))
+    monkeypatch.setattr(filters, "MAX_ERROR", float("inf"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,8 +11,10 @@ import shutil
 
 import pytest
 
-from cce_autotune import dispatch, paths
-from cce_autotune.db import Entry, EntryKey
+from cce_autotune import paths
+from cce_autotune.configdb import dispatch
+from cce_autotune.planning import costs
+from cce_autotune.configdb.store import Entry, EntryKey
 from cce_autotune.variant import KERNELS
 
 
@@ -33,6 +35,7 @@ def isolated(tmp_path, monkeypatch):
     dispatch.clear_cache()
     yield {"cache": cache, "config": config, "tmp": tmp_path, "packaged": packaged}
     dispatch.clear_cache()
+    costs.forget_overrides()  # (a tuning run sets the cost model it calibrated for the rest of its process)
 
 
 def make_entry(kernel="backward", dtype="bf16", B=8192, V=32000, D=4096, median=1.0, has_bias=False,

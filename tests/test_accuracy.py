@@ -1,12 +1,14 @@
-"""The measured filter check (cce_autotune.accuracy): its estimate against a brute-force oracle and
-against the kernels' own error, and the choice it remembers per classifier."""
+"""The measured filter check (cce_autotune.planning.accuracy): its estimate against a brute-force oracle
+and against the kernels' own error, and the choice the planner remembers per classifier."""
 
 import math
 
 import pytest
 import torch
 
-from cce_autotune import accuracy, kernels, linear_cross_entropy, planner, vocab_order
+from cce_autotune import linear_cross_entropy, memory
+from cce_autotune.planning import accuracy, costs, explain, filters, planner
+from cce_autotune.plans import CallProblem
 from helpers import grads_of, make_inputs, rel_err, torch_loss
 from test_loss import prime_order
 from test_tile_map import MAPPED, _forward_map
@@ -89,6 +91,18 @@ def test_estimate_is_the_kernels_error(device, no_accuracy_guard, monkeypatch):
     assert est == pytest.approx(actual, rel=0.05)
 
 
+def _evidence(e, c, t, lse, tmap, rows):
+    return planner.Evidence(e=e, c=c, bias=None, rows=rows, targets=t, lse=lse, softcap=None, tile_map=tmap,
+                            coef_s=None, coef_t=None)
+
+
+def _choose(e, c, t, lse, tmap, rows, eps, scales, admissible=None, check_every=32):
+    """The planner's choice of a filter on the rungs of the ladder that ``scales`` name."""
+    rungs = [filters.LADDER.index(s) for s in scales]
+    return planner.check_filter(_evidence(e, c, t, lse, tmap, rows), eps, 16, 16,
+                                costs.builtin().replace(check_every=check_every), rungs=rungs, admissible=admissible)
+
+
 def test_choice_is_remembered_and_measured_again(device, monkeypatch):
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
     lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
@@ -96,11 +110,10 @@ def test_choice_is_remembered_and_measured_again(device, monkeypatch):
     calls = []
     real = accuracy.filter_fit
     monkeypatch.setattr(accuracy, "filter_fit", lambda *a, **k: (calls.append(a[7].shape[0]), real(*a, **k))[1])
-    monkeypatch.setattr(accuracy, "MAX_ERROR", 1e-4)
-    monkeypatch.setattr(accuracy, "CHECK_EVERY", 3)
+    monkeypatch.setattr(filters, "MAX_ERROR", 1e-4)
 
     def choose(eps):
-        return accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, eps, (1.0, 2.0**-4, 2.0**-8))[:2]
+        return _choose(e, c, t, lse, tmap, rows, eps, (1.0, 2.0**-4, 2.0**-8), check_every=3)[:2]
 
     eps, measured = choose(2.0**-6)
     assert eps in (2.0**-10, 2.0**-14) and calls == [1, 2]  # own filter fails, the rest measured
@@ -111,10 +124,10 @@ def test_choice_is_remembered_and_measured_again(device, monkeypatch):
     assert choose(2.0**-6)[0] == eps and len(calls) == 4
     eps, measured = choose(2.0**-20)
     assert eps == 2.0**-20 and len(measured) == 1  # another filter asked: measured (and it passes)
-    monkeypatch.setattr(accuracy, "MAX_ERROR", -1.0)  # nothing passes
-    accuracy.clear()
+    monkeypatch.setattr(filters, "MAX_ERROR", -1.0)  # nothing passes
+    memory.clear()
     assert choose(2.0**-6)[0] is None and len(choose(2.0**-6)[1]) == 3  # exact is never remembered
-    monkeypatch.setattr(accuracy, "MAX_ERROR", math.inf)
+    monkeypatch.setattr(filters, "MAX_ERROR", math.inf)
     n = len(calls)
     assert choose(2.0**-6) == (2.0**-6, ()) and len(calls) == n  # the check off: nothing measured
 
@@ -123,21 +136,21 @@ def test_candidates_are_measured_in_groups_until_one_passes(device, monkeypatch)
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
     lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
     rows = torch.arange(64, device=device)
-    monkeypatch.setattr(accuracy, "GROUP", 2)
-    scales = tuple(2.0**-k for k in range(7))
-    full = {m[0]: m[1] for m in accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, (1.0,))[1]}
+    monkeypatch.setattr(filters, "GROUP", 2)
+    monkeypatch.setattr(filters, "LADDER", tuple(2.0**-k for k in range(7)))
+    scales = filters.LADDER
+    full = {m[0]: m[1] for m in _choose(e, c, t, lse, tmap, rows, 2.0**-4, (1.0,))[1]}
     for k in range(7):  # every candidate's error, one at a time
-        accuracy.clear()
-        full.update({m[0]: m[1] for m in accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16,
-                                                               2.0**-4 * scales[k], (1.0,))[1]})
+        memory.clear()
+        full.update({m[0]: m[1] for m in _choose(e, c, t, lse, tmap, rows, 2.0**-4 * scales[k], (1.0,))[1]})
     errs = [full[2.0**-4 * s] for s in scales]
     assert errs[0] > 0 and errs == sorted(errs, reverse=True)  # smaller filters drop less
     wants = [k for k in range(7) if k == 0 or errs[k] < errs[k - 1]]
     assert len(wants) >= 4, errs
     for want in wants:  # a limit that the want-th candidate is the first to meet
-        monkeypatch.setattr(accuracy, "MAX_ERROR", (errs[want] + (errs[want - 1] if want else 1.0)) / 2)
-        accuracy.clear()
-        eps, measured, _ = accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, scales)
+        monkeypatch.setattr(filters, "MAX_ERROR", (errs[want] + (errs[want - 1] if want else 1.0)) / 2)
+        memory.clear()
+        eps, measured, _ = _choose(e, c, t, lse, tmap, rows, 2.0**-4, scales)
         assert eps == 2.0**-4 * scales[want]
         groups = 1 if want == 0 else 1 + -(-want // 2)  # own filter, then pairs up to the one that passed
         assert len(measured) == min(7, 1 + 2 * (groups - 1))
@@ -149,76 +162,68 @@ def test_candidates_the_guard_rejects_are_not_measured(device, monkeypatch):
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
     lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
     rows = torch.arange(64, device=device)
-    monkeypatch.setattr(accuracy, "MAX_ERROR", 1.0)  # every measured candidate passes
+    monkeypatch.setattr(filters, "MAX_ERROR", 1.0)  # every measured candidate passes
     scales = (1.0, 0.5, 0.25, 0.125)
     asked = []
-    eps, measured, _ = accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, scales,
-                                              admissible=lambda x: (asked.append(x), x < 2.0**-5)[1])
+    eps, measured, _ = _choose(e, c, t, lse, tmap, rows, 2.0**-4, scales,
+                               admissible=lambda x: (asked.append(x), x < 2.0**-5)[1])
     assert eps == 2.0**-6 and [m[0] for m in measured] == [2.0**-6, 2.0**-7]  # 2^-4, 2^-5 not measured
     assert asked == [2.0**-4, 2.0**-5, 2.0**-6, 2.0**-7]
-    accuracy.clear()
-    eps, measured, _ = accuracy.choose_filter(e, c, None, rows, t, lse, None, tmap, 16, 16, 2.0**-4, scales,
-                                              admissible=lambda x: False)
+    memory.clear()
+    eps, measured, _ = _choose(e, c, t, lse, tmap, rows, 2.0**-4, scales, admissible=lambda x: False)
     assert eps is None and measured == ()  # none may run: exact
 
 
-def test_guard_lowering_the_checked_filter_drops_the_correction(device, monkeypatch):
+def test_guard_lowering_the_checked_filter_drops_the_correction(device, monkeypatch, set_costs, planned):
     e, c, t = _clustered()
     e, c, t = e.to(device), c.to(device), t.to(device)
     eps = 2.0**-6
     u = torch.ones(e.shape[1], device=device)
-    monkeypatch.setattr(accuracy, "choose_filter", lambda *a, **k: (eps, (), u))  # a remembered corrected choice
-    from cce_autotune import tile_map
-
+    monkeypatch.setattr(planner, "check_filter", lambda *a, **k: (eps, (), u))  # a remembered corrected choice
     # the guard's bound: too much at the checked filter, nothing 16x below it
-    monkeypatch.setattr(tile_map, "dropped_share", lambda tm, lse, x: torch.tensor(1.0 if x > 2.0**-8 else 0.0))
-    monkeypatch.setattr(planner, "PAUSE_SHARE", math.inf)
-    got = []
-    real = kernels.backward
-    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (got.append((a[12], k.get("dead_dir"))), real(*a, **k))[1])
+    monkeypatch.setattr(planner, "dropped_share", lambda tm, lse, x: torch.tensor(1.0 if x > 2.0**-8 else 0.0))
+    set_costs(pause_share=math.inf)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
     ee, cc = e.clone().requires_grad_(), c.clone()
     prime_order(cc, ee, "sorted")
     linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
-    plan, d = got[-1]
+    plan, d = planned[-1].call.backward, planned[-1].call.correction
     assert plan.use_map and plan.filter_eps == eps / 16  # filtered, at the lowered filter
     assert d is None and "no dead-tile correction at the lowered filter" in plan.reason
 
 
-def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch):
+def test_exact_verdict_runs_exact_and_pauses_the_classifier(device, monkeypatch, planned):
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
-    monkeypatch.setattr(accuracy, "MAX_ERROR", -1.0)  # nothing passes
-    seen = []
-    real = kernels.backward
-    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (seen.append((a[10], a[12])), real(*a, **k))[1])
+    monkeypatch.setattr(filters, "MAX_ERROR", -1.0)  # nothing passes
     ee, cc = e.clone().requires_grad_(), c.clone()
     prime_order(cc, ee, "sorted")
     linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
-    eps, plan = seen[-1]
+    eps, plan = planned[-1].call.run_eps, planned[-1].call.backward
     assert eps is None and not plan.use_map and "measured" in plan.reason
-    assert vocab_order.paused(cc)  # the next forwards neither walk nor map until the next check
+    assert memory.take_pause(cc)  # the next forwards neither walk nor map until the next check
 
 
 def test_explain_all_prints_the_measured_errors(monkeypatch, capsys):
-    p = planner.Problem(n=8, n_all=8, V=100, D=4, elem=2, grad_bytes=0)
-    monkeypatch.setenv(planner.ENV_EXPLAIN, "1")
-    planner.report_check(p, ((2.0**-16, 8e-3, False),), 7e-3)
+    p = CallProblem(n=8, n_all=8, V=100, D=4, elem=2, grad_bytes=0)
+    monkeypatch.setenv(explain.ENV_EXPLAIN, "1")
+    explain.report_check(p, ((2.0**-16, 8e-3, False),), 7e-3)
     assert capsys.readouterr().err == ""  # only with =all
-    monkeypatch.setenv(planner.ENV_EXPLAIN, "all")
-    planner.report_check(p, (), 7e-3)
-    planner.report_check(p, ((2.0**-16, 8e-3, False), (2.0**-20, 4.5e-3, True)), 7e-3)
+    monkeypatch.setenv(explain.ENV_EXPLAIN, "all")
+    explain.report_check(p, (), 7e-3)
+    explain.report_check(p, ((2.0**-16, 8e-3, False), (2.0**-20, 4.5e-3, True)), 7e-3)
     assert capsys.readouterr().err == ("cce_autotune check (n=8, V=100, D=4): dE error 8.00e-03 at 1.5e-05, "
                                        "4.50e-03 at 9.5e-07 corrected (limit 0.007)\n")
 
 
 def test_check_chunks_stay_within_their_memory_and_do_not_change_the_estimate():
+    cap = costs.builtin().check_bytes
     for rows, m, V in ((256, 1, 262144), (256, 2, 128256), (8192, 1, 50257), (16, 1, 300)):
-        w = accuracy.chunk_columns(rows, m, V)
+        w = accuracy.chunk_columns(rows, m, V, cap)
         assert w & (w - 1) == 0 and 256 <= w <= 16384
-        assert w == 256 or rows * w * (18 + 11 * m) <= accuracy.CHECK_BYTES
-        assert w == 16384 or w >= V or 2 * rows * w * (18 + 11 * m) > accuracy.CHECK_BYTES  # the largest that fits
-    assert accuracy.chunk_columns(256, 1, 262144) == 8192
+        assert w == 256 or rows * w * (18 + 11 * m) <= cap
+        assert w == 16384 or w >= V or 2 * rows * w * (18 + 11 * m) > cap  # the largest that fits
+    assert accuracy.chunk_columns(256, 1, 262144, cap) == 8192
     torch.manual_seed(1)
     n, V, D = 32, 700, 16
     e, c = torch.randn(n, D, dtype=torch.float64), 2 * torch.randn(V, D, dtype=torch.float64)
@@ -226,7 +231,8 @@ def test_check_chunks_stay_within_their_memory_and_do_not_change_the_estimate():
     lse = torch.logsumexp(e @ c.T, 1)
     tile = accuracy.column_tiles(V, 16, None, "cpu")
     dead = torch.rand(2, n, int(tile.max()) + 1) < 0.5
-    got = [accuracy.filter_errors(e, c, None, t, lse, None, tile, dead, chunk_v=w) for w in (64, 256, None)]
+    got = [accuracy.filter_errors(e, c, None, t, lse, None, tile, dead, chunk_v=w)
+           for w in (64, 256, accuracy.chunk_columns(n, 2, V, cap))]
     assert torch.allclose(got[0], got[1]) and torch.allclose(got[0], got[2])
 
 
@@ -297,7 +303,7 @@ def test_chunked_backward_adds_the_dead_mass_along_the_direction(device, no_accu
     real = planner.decide
     monkeypatch.setattr(planner, "decide", lambda *a, **k: (seen.update(tmap=a[3], lse=a[4]), real(*a, **k))[1])
     for direction in (None, u):
-        monkeypatch.setattr(accuracy, "choose_filter", lambda *a, d=direction, **k: (eps, (), d))
+        monkeypatch.setattr(planner, "check_filter", lambda *a, d=direction, **k: (eps, (), d))
         ee, cc = e.clone().requires_grad_(), c.clone()
         prime_order(cc, ee, "sorted")
         linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, **kw).backward()
@@ -325,26 +331,23 @@ def test_chunked_backward_adds_the_dead_mass_along_the_direction(device, no_accu
             assert (grads[1][r] - grads[0][r]).abs().max() == 0
 
 
-def test_check_takes_the_correction_where_the_plain_filter_is_not_accurate(device, monkeypatch):
+def test_check_takes_the_correction_where_the_plain_filter_is_not_accurate(device, monkeypatch, set_costs, planned):
     e, c, t = _clustered()
     e, c, t = e.to(device), c.to(device), t.to(device)
     eps = 2.0**-6
-    monkeypatch.setattr(accuracy, "SCALES", (1.0,))  # the call's own filter, or exact
-    monkeypatch.setattr(planner, "MAX_DROPPED", math.inf)  # the check alone
-    monkeypatch.setattr(planner, "PAUSE_SHARE", math.inf)  # filtering pays whatever the cost model says
+    monkeypatch.setattr(filters, "CHECK_RUNGS", (0,))  # the call's own filter, or exact
+    set_costs(max_dropped=math.inf,  # the check alone
+              pause_share=math.inf)  # filtering pays whatever the cost model says
     _, ref = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
-    plans = []
-    real = kernels.backward
-    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (plans.append((a[12], k.get("dead_dir"))), real(*a, **k))[1])
 
     def run(limit, **kw):
-        monkeypatch.setattr(accuracy, "MAX_ERROR", limit)
-        accuracy.clear()
+        monkeypatch.setattr(filters, "MAX_ERROR", limit)
+        memory.clear()
         kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
         ee, cc = e.clone().requires_grad_(), c.clone()
         prime_order(cc, ee, "sorted")
         linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, **kw).backward()
-        return rel_err(ee.grad, ref[0]), plans[-1]
+        return rel_err(ee.grad, ref[0]), (planned[-1].call.backward, planned[-1].call.correction)
 
     plain, (plan, d) = run(math.inf)  # the check off: the plain filter
     assert plan.use_map and d is None and plain > 1e-2

@@ -5,7 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from cce_autotune import calibrate, planner
+from cce_autotune.configdb import dispatch
+from cce_autotune.planning import costs
+from cce_autotune.tuner import calibrate
 
 
 def _measurement(true, B, V, D, live, live_chunks):
@@ -16,10 +18,10 @@ def _measurement(true, B, V, D, live, live_chunks):
 
 
 def test_fit_recovers_the_coefficients_that_made_the_times():
-    true = replace(planner.CostModel(), forward=1.6, tiles_per_live=5.5, sparse_per_live=12.0, recompute=0.9,
+    true = costs.CostModel(forward=1.6, tiles_per_live=5.5, sparse_per_live=12.0, recompute=0.9,
                    products=2.6, flops_per_byte=240.0)
     ms = [_measurement(true, 8192, 256128, 2304, 0.12, 0.5), _measurement(true, 8192, 50257, 768, 0.45, 0.9)]
-    got, notes = calibrate.fit(ms, base=planner.CostModel())
+    got, notes = calibrate.fit(ms, base=costs.CostModel())
     for name in calibrate.FITTED:
         assert math.isclose(getattr(got, name), getattr(true, name), rel_tol=0.03), (name, got, true)
     assert math.isclose(got.flops_per_byte, 240.0, rel_tol=0.01)
@@ -30,21 +32,21 @@ def test_fit_recovers_the_coefficients_that_made_the_times():
 
 
 def test_fit_keeps_what_no_sample_informs_and_refuses_nothing_to_fit():
-    true = replace(planner.CostModel(), tiles_per_live=4.0)
+    true = costs.CostModel(tiles_per_live=4.0)
     m = _measurement(true, 4096, 32768, 4096, 0.3, 0.7)
     m = replace(m, samples=tuple(s for s in m.samples if s.name in ("forward", "tiles")))
-    got, notes = calibrate.fit([m], base=planner.CostModel())
-    assert got.sparse_per_live == planner.CostModel().sparse_per_live
+    got, notes = calibrate.fit([m], base=costs.CostModel())
+    assert got.sparse_per_live == costs.CostModel().sparse_per_live
     assert any("no sample informs" in n and "sparse_per_live" in n for n in notes)
     with pytest.raises(ValueError, match="measurements"):
         calibrate.fit([])
 
 
 def test_set_cost_model_overrides_the_file_in_process():
-    mine = replace(planner.CostModel(), tiles_per_live=3.25)
-    planner.set_cost_model("h200", mine)
+    mine = costs.CostModel(tiles_per_live=3.25)
+    costs.set_cost_model("h200", mine)
     try:
-        assert planner.cost_model("h200") is mine
+        assert dispatch.costs_for("h200") is mine
     finally:
-        planner.set_cost_model("h200", None)
-    assert planner.cost_model("h200").tiles_per_live != 3.25 or planner.CostModel().tiles_per_live == 3.25
+        costs.set_cost_model("h200", None)
+    assert dispatch.costs_for("h200").tiles_per_live != 3.25 or costs.CostModel().tiles_per_live == 3.25

@@ -7,7 +7,9 @@ import torch
 import yaml
 from conftest_tune import isolated  # noqa: F401
 
-from cce_autotune import cli, db, dispatch
+from cce_autotune import cli
+from cce_autotune.configdb import store as db
+from cce_autotune.configdb import dispatch
 from cce_autotune.variant import KernelVariants
 
 
@@ -136,7 +138,8 @@ def test_usage_errors_name_the_argument(capsys, argv, message):
 
 
 def test_tune_on_an_activation_file_measures_the_costs_first(isolated, capsys, monkeypatch):
-    from cce_autotune import activations, tune
+    from cce_autotune.data import captured as activations
+    from cce_autotune import tuner as tune
 
     g = torch.Generator().manual_seed(0)
     path = activations.save_activations(isolated["tmp"] / "acts.pt", torch.randn(40, 32, generator=g),

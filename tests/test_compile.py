@@ -1,10 +1,10 @@
 """torch.compile(fullgraph=True) and shape-only runs: the loss is one custom operator each way
-(cce_autotune.ops), so a model using it compiles without a graph break and matches eager."""
+(cce_autotune.runtime.ops), so a model using it compiles without a graph break and matches eager."""
 
 import pytest
 import torch
 
-from cce_autotune import kernels, linear_cross_entropy
+from cce_autotune import linear_cross_entropy
 from helpers import make_inputs, rel_err
 from test_loss import SMALL, prime_order
 from test_tile_map import MAPPED
@@ -66,7 +66,7 @@ def test_fullgraph_inductor(device):
     assert_compiled_matches_eager(model, ids, None, "inductor", 1e-5)
 
 
-def test_training_steps_do_not_recompile_and_keep_the_tile_map(device, monkeypatch):
+def test_training_steps_do_not_recompile_and_keep_the_tile_map(device, set_costs, planned):
     # The remembered vocabulary order changes after every backward and the classifier moves every
     # step: neither may cause a recompile; the state the forward hands to its backward (the tile map)
     # must survive compilation.
@@ -74,31 +74,19 @@ def test_training_steps_do_not_recompile_and_keep_the_tile_map(device, monkeypat
     c = c.clone().requires_grad_()
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-10, strategy="tiles"))
     prime_order(c, e, "sorted")
-    from cce_autotune import planner
-
     # (No fixed costs: at this tiny size they would pause filtering on a GPU's cost model.)
-    monkeypatch.setattr(planner, "cost_model", lambda gpu: planner.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0))
-    maps = []
-    real = kernels.backward
-
-    def spy(*a, **k):
-        maps.append(k.get("tile_map"))
-        return real(*a, **k)
-
+    set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0)
     fn = torch.compile(lambda e_, c_: linear_cross_entropy(e_, c_, t, impl="triton", variants=kv, filter_eps="auto"),
                        fullgraph=True, backend="aot_eager")
     torch._dynamo.reset()
     opt = torch.optim.SGD([c], lr=0.1)
-    kernels.backward = spy
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for _ in range(3):
-                opt.zero_grad()
-                fn(e, c).backward()
-                opt.step()
-    finally:
-        kernels.backward = real
-    assert len(maps) == 3 and all(m is not None for m in maps)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            opt.zero_grad()
+            fn(e, c).backward()
+            opt.step()
+    maps = [r.call.backward.use_map for r in planned]  # the backward launched from the forward's tile map
+    assert len(maps) == 3 and all(maps)
 
 
 def test_meta_tensors_give_shapes():

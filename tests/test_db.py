@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest_tune import isolated, make_entry  # noqa: F401
 
-from cce_autotune import db
+from cce_autotune.configdb import store as db
 
 
 def test_save_load_roundtrip(tmp_path):
@@ -136,7 +136,8 @@ def test_bad_alias_file_names_it(tmp_path):
 
 
 def test_cost_model_section_is_validated_kept_by_saves_and_read_by_the_planner(isolated):
-    from cce_autotune import dispatch, planner
+    from cce_autotune.configdb import dispatch
+    from cce_autotune.planning import costs as cost_models
 
     path = isolated["config"] / "a100.yaml"
     doc = _valid_doc()
@@ -149,10 +150,10 @@ def test_cost_model_section_is_validated_kept_by_saves_and_read_by_the_planner(i
     assert db.load_file(path).cost_model == doc["cost_model"]
     # The planner takes the file's coefficients over the built-in ones, name by name.
     dispatch.clear_cache()
-    costs = planner.cost_model("a100")
+    costs = dispatch.costs_for("a100")
     assert costs.tiles_per_live == 6.5 and costs.chunk_ms == 0.05
-    assert costs.products == planner.CostModel().products
-    assert planner.cost_model("b200") == planner.COSTS["h200"]  # no file: the built-in coefficients
+    assert costs.products == cost_models.CostModel().products
+    assert dispatch.costs_for("b200") == cost_models.builtin("h200")  # no file: the built-in coefficients
     # Bad sections name the file and the field.
     doc["cost_model"] = {"tiles_per_live": -1}
     path.write_text(yaml.safe_dump(doc))
@@ -162,11 +163,12 @@ def test_cost_model_section_is_validated_kept_by_saves_and_read_by_the_planner(i
     path.write_text(yaml.safe_dump(doc))
     dispatch.clear_cache()
     with pytest.raises(ValueError, match=r"a100\.yaml: cost_model: unknown coefficient\(s\) \['tiles_per_liv'\]"):
-        planner.cost_model("a100")
+        dispatch.costs_for("a100")
 
 
 def test_shipped_h200_file_carries_the_cost_model():
-    from cce_autotune import paths, planner
+    from cce_autotune import paths
+    from cce_autotune.planning import costs
 
     cfg = db.load_file(paths.resource_dir("tuned_configs") / "h200.yaml", expect_gpu="h200")
-    assert cfg.cost_model and set(cfg.cost_model) - {"measured_on", "note"} <= set(planner.CostModel().to_dict())
+    assert cfg.cost_model and set(cfg.cost_model) - {"measured_on", "note"} <= set(costs.CostModel().to_dict())

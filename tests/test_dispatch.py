@@ -11,7 +11,9 @@ import pytest
 import torch
 from conftest_tune import isolated, make_entry  # noqa: F401
 
-from cce_autotune import codegen, db, dispatch
+from cce_autotune import codegen
+from cce_autotune.configdb import store as db
+from cce_autotune.configdb import dispatch
 from cce_autotune.variant import KernelVariants
 
 
@@ -157,13 +159,14 @@ def test_gpu_slug_and_helpers(isolated, monkeypatch):
 def test_runtime_path_never_imports_optuna(isolated):
     code = (
         "import sys, torch\n"
-        "from cce_autotune import linear_cross_entropy, dispatch\n"
+        "from cce_autotune import linear_cross_entropy\n"
+        "from cce_autotune.configdb import dispatch\n"
         "e = torch.randn(8, 16); c = torch.randn(32, 16); t = torch.randint(0, 32, (8,))\n"
         "linear_cross_entropy(e, c, t).item()\n"
         "import os; os.environ['CCE_AUTOTUNE_GPU'] = 'h200'\n"
         "dispatch.select_variants(e, c); dispatch.explain('h200', 'bf16', 8, 32, 16)\n"
         "assert 'optuna' not in sys.modules, 'optuna imported'\n"
-        "assert 'cce_autotune.tune' not in sys.modules\n"
+        "assert 'cce_autotune.tuner' not in sys.modules\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)

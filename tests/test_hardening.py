@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from conftest_tune import isolated, make_entry  # noqa: F401
 from optuna.trial import TrialState
 
-from cce_autotune import cli, codegen, db, linear_cross_entropy, tune
+from cce_autotune import cli, codegen, linear_cross_entropy
+from cce_autotune.configdb import store as db
+from cce_autotune import tuner as tune
 from helpers import make_inputs, rel_err
 from test_loss import SMALL
 
-PROBLEM = tune.Problem(B=512, V=32000, D=256)
+PROBLEM = tune.TuningProblem(B=512, V=32000, D=256)
 
 
 def run_cli(capsys, *argv):
@@ -69,7 +71,7 @@ def test_storage_creation_retries_a_lost_race(isolated, monkeypatch):
 def test_concurrent_creation_of_one_database(isolated):
     # Four processes open the same fresh database at once (the crash the issue saw in 2 of 4 runs).
     url = f"sqlite:///{isolated['tmp'] / 'fresh.db'}"
-    code = f"from cce_autotune import tune; tune.make_storage({url!r}); print('ok')"
+    code = f"from cce_autotune import tuner; tuner.make_storage({url!r}); print('ok')"
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(4)]
     results = [p.communicate(timeout=240) for p in procs]
@@ -163,7 +165,7 @@ def test_ctrl_c_during_planning(isolated, capsys, monkeypatch):
 # 8. A broken config file is skipped with one warning (other folders still apply); the database can
 #    be switched off.
 def test_broken_lower_priority_config_is_skipped(isolated, monkeypatch):
-    from cce_autotune import dispatch
+    from cce_autotune.configdb import dispatch
 
     good = isolated["config"]
     lower = isolated["cache"] / "tuned_configs"
@@ -272,36 +274,32 @@ def test_changing_triton_interpret_after_import_is_explained(monkeypatch):
 
 # 12. Determinism: the same gradient bits run to run, in the default filtered mode too.
 def test_segment_sums_are_run_sums():
-    from cce_autotune.kernels import _segment_sums
+    from cce_autotune.strategies.common import segment_sums
 
     keys = torch.tensor([1, 1, 1, 3, 4, 4, 7])
     vals = torch.arange(7, dtype=torch.float32)[:, None] * torch.tensor([[1.0, 2.0]])
-    out = _segment_sums(keys, vals)
+    out = segment_sums(keys, vals)
     assert torch.equal(out[:, 0], torch.tensor([0.0, 0, 3, 3, 0, 9, 6])) and torch.equal(out[:, 1], 2 * out[:, 0])
 
 
 def _deterministic_run(device, deterministic, bias=True, strategy="tiles"):
     """Two training-like calls (the second walks the first's order and launches from its map) from
     a clean slate; returns the second call's gradients and the strategies the planner ran."""
-    from cce_autotune import kernels as kmod
-    from cce_autotune import vocab_order
+    from cce_autotune import memory
+    from cce_autotune.planning import explain
     from test_tile_map import MAPPED
 
-    vocab_order.clear()
+    memory.clear()
     e, c, t, b = make_inputs((61,), 300, 45, torch.float32, bias=bias, peaked=2.0, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(strategy=strategy, filter_eps=2.0**-10),
                         lse_forward=MAPPED.lse_forward.replace(merge="lock"))
-    plans, real = [], kmod.backward
-    kmod.backward = lambda *a, **k: (plans.append(a[12].strategy), real(*a, **k))[1]
-    try:
+    with explain.recording() as made:
         for _ in range(2):
             ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
             bb = b.clone().requires_grad_() if b is not None else None
             linear_cross_entropy(ee, cc, t, bb, variants=kv, filter_eps="auto", impl="triton",
                                  deterministic=deterministic).backward()
-    finally:
-        kmod.backward = real
-    return (ee.grad, cc.grad, bb.grad if bb is not None else None), plans
+    return (ee.grad, cc.grad, bb.grad if bb is not None else None), [r.call.backward.strategy for r in made]
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -363,7 +363,7 @@ def test_import_needs_no_transformers():
 
 def test_capture_activations_from_a_patched_training_step(tmp_path):
     # What cce-tune --data FILE tunes on, captured from a real (tiny) training step.
-    from cce_autotune import activations
+    from cce_autotune.data import captured as activations
 
     model, _ = patched_pair("gemma2")
     model.train()

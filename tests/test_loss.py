@@ -18,6 +18,7 @@ from cce_autotune import (
     LSEForwardVariant,
     linear_cross_entropy,
 )
+from cce_autotune.options import Options
 from helpers import grads_of, make_inputs, rel_err, torch_loss
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -77,13 +78,13 @@ def run_case(batch, V, D, dtype, *, impl="triton", bias=False, softcap=None, red
 
 def prime_order(c, e, kind):
     """Remember an order for classifier ``c``: by descending average logit, or a random one."""
-    from cce_autotune import vocab_order
+    from cce_autotune import memory
 
     if kind == "sorted":
         perm = torch.argsort(c.detach().float() @ e.detach().float().reshape(-1, e.shape[-1]).sum(0), descending=True)
     else:
         perm = torch.randperm(c.shape[0], generator=torch.Generator().manual_seed(1)).to(c.device)
-    vocab_order.remember(c, perm.to(torch.int32))
+    memory.remember_order(c, perm.to(torch.int32))
 
 
 def assert_within(res):
@@ -186,12 +187,12 @@ def test_nan_and_inf_propagate(value, impl, device):
 def test_row_layouts(case, device):
     # The kernels address E densely (no ignored rows, no shift, flat batch), through an offset table
     # with a 16-byte alignment hint, or through a plain table; all three must agree with the oracle.
-    from cce_autotune import ops
+    from cce_autotune.runtime import ops
 
     D = 45 if case == "gathered-unaligned" else 48
     e, c, t, _ = make_inputs((4, 9), 130, D, torch.float32, device=device)
     shift = 0 if case == "dense" else 1
-    p = ops.prepare(e, c, t, None, None, ops.Options(shift=shift, impl="triton", variants=SMALL.to_dict()))
+    p, _ = ops.start(e, c, t, None, None, Options(shift=shift, impl="triton", variants=SMALL.to_dict()))
     assert (p.layout.dense_stride is not None) == (case == "dense")
     assert p.layout.aligned == (case != "gathered-unaligned")
     out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, shift=shift, impl="triton", variants=SMALL), e, c)
@@ -203,16 +204,17 @@ def test_row_layouts(case, device):
 def test_dispatched_variants_leave_the_strategy_to_the_planner(monkeypatch, device):
     # A tuned entry's strategy was measured on the tuner's data; for dispatched variants the planner
     # decides per call (strategy "auto"), filtered or exact. Explicit variants keep theirs.
-    from cce_autotune import dispatch, ops
+    from cce_autotune.configdb import dispatch
+    from cce_autotune.runtime import ops
 
     tuned = KernelVariants(backward=BackwardVariant(block_b=16, block_v=32, block_d=16, strategy="tiles"))
     monkeypatch.setattr(dispatch, "select_variants", lambda e, c, **kw: tuned)
     e, c, t, _ = make_inputs((20,), 64, 32, torch.float32, device=device)
     for eps in (None, "auto"):
-        dispatched = ops.prepare(e, c, t, None, None, ops.Options(filter_eps=eps, impl="triton"))
+        _, dispatched = ops.start(e, c, t, None, None, Options(filter_eps=eps, impl="triton"))
         assert dispatched.variants.backward.strategy == "auto"
         assert dispatched.variants.backward.block_b == 16  # the rest of the tuned entry is kept
-    explicit = ops.prepare(e, c, t, None, None, ops.Options(filter_eps=None, impl="triton", variants=tuned.to_dict()))
+    _, explicit = ops.start(e, c, t, None, None, Options(filter_eps=None, impl="triton", variants=tuned.to_dict()))
     assert explicit.variants.backward.strategy == "tiles"
     out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, filter_eps=None, impl="triton"), e, c)
     ref, (re, rc) = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())

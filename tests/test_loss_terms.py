@@ -132,13 +132,11 @@ def test_fused_strategy_with_token_weights(device):
 
 @pytest.mark.parametrize("strategy", ["tiles", "chunked", "sparse"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_mixed_precision_fp32_classifier(dtype, strategy, device, monkeypatch):
+def test_mixed_precision_fp32_classifier(dtype, strategy, device, set_costs):
     # 16-bit e with the fp32 master classifier (and bias): dC and dbias come back in fp32, dE in e's
     # dtype. C is converted to e's dtype a chunk at a time (here 2 tiles, so that several chunks and
     # windows run) or its tiles in registers (sparse). Mapped strategies included.
-    from cce_autotune import kernels
-
-    monkeypatch.setattr(kernels, "CONVERT_BYTES", 2 * 32 * 45 * 2)
+    set_costs(convert_bytes=2 * 32 * 45 * 2)
     e, _, t, _ = make_inputs((3, 17), 300, 45, dtype, device=device)
     _, c, _, b = make_inputs((3, 17), 300, 45, torch.float32, bias=True, device=device)
     t = with_ignored(t)
@@ -153,7 +151,7 @@ def test_mixed_precision_fp32_classifier(dtype, strategy, device, monkeypatch):
 def test_classifier_conversion_rounds_like_torch(dtype, device):
     # The conversion kernel (templates/convert.py.j2), plain and gathered, is torch's rounding to
     # nearest, including NaN and values that overflow the 16-bit range.
-    from cce_autotune import kernels
+    from cce_autotune.strategies.common import convert_rows
 
     c = torch.randn(300, 45, generator=torch.Generator().manual_seed(0)) * 3
     c[5, 3], c[6, 4], c[7, 0] = float("nan"), 3.4e38, -7e4
@@ -161,18 +159,18 @@ def test_classifier_conversion_rounds_like_torch(dtype, device):
     perm = torch.randperm(300, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=torch.int32)
     buf = torch.empty(100, 45, dtype=dtype, device=device)
     for lo, order, ref in ((50, perm, c[perm[50:150].long()]), (0, None, c[:100])):
-        out = kernels._convert_rows(c, lo, 100, order, buf)
+        out = convert_rows(c, lo, 100, order, buf)
         assert torch.equal(out.isnan(), ref.to(dtype).isnan())
         assert torch.equal(out.float().nan_to_num(), ref.to(dtype).float().nan_to_num())
 
 
-def test_mixed_precision_forward_converts_chunks_like_a_16_bit_classifier(device, monkeypatch):
+def test_mixed_precision_forward_converts_chunks_like_a_16_bit_classifier(device):
     # The LSE and the tile map of an fp32 classifier, converted a chunk at a time in the walked order,
     # are those of the classifier rounded to e's dtype (the map's tiles land at their global index).
-    from cce_autotune import kernels
-    from cce_autotune.kernels import RowLayout
+    from cce_autotune.strategies import forward as kernels
+    from cce_autotune.strategies.common import RowLayout
 
-    monkeypatch.setattr(kernels, "CONVERT_BYTES", 3 * 32 * 40 * 2)
+    chunk = kernels.convert_width(333, 40, MAPPED.lse_forward.block_v, 2, 3 * 32 * 40 * 2)  # three tiles
     e, _, t, _ = make_inputs((50,), 333, 40, torch.bfloat16, device=device)
     _, c, _, b = make_inputs((50,), 333, 40, torch.float32, bias=True, device=device)
     rows = RowLayout.dense(50, 40, device)
@@ -182,11 +180,11 @@ def test_mixed_precision_forward_converts_chunks_like_a_16_bit_classifier(device
     zt16 = kernels.indexed_dot(e, c.to(e.dtype), b, rows, t, None, SMALL.indexed_dot)
     # (Triton's interpreter truncates in-kernel bf16 casts; a GPU rounds them to nearest, as torch.)
     assert torch.equal(zt, zt16) if device == "cuda" else rel_err(zt, zt16) < 2e-2
-    lse, tmap = kernels.lse_forward(e, c, b, rows, None, variant, perm=perm, zt=zt16)
+    lse, tmap = kernels.lse_forward(e, c, b, rows, None, variant, perm=perm, zt=zt16, convert_chunk=chunk)
     lse16, tmap16 = kernels.lse_forward(e, c.to(e.dtype), b, rows, None, variant, perm=perm, zt=zt16)
     assert torch.equal(tmap.q, tmap16.q)
     assert rel_err(lse, lse16) < 1e-6
-    plain, _ = kernels.lse_forward(e, c, b, rows, None, variant)
+    plain, _ = kernels.lse_forward(e, c, b, rows, None, variant, convert_chunk=chunk)
     assert rel_err(plain, lse16) < 1e-6
 
 

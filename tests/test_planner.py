@@ -4,8 +4,13 @@ plan shape it can produce run against the float64 oracle."""
 import pytest
 import torch
 
-from cce_autotune import BackwardVariant, KernelVariants, LSEForwardVariant, kernels, linear_cross_entropy, planner, vocab_order
-from cce_autotune.planner import MiB, Problem, memory_budget, parse_bytes, plan_backward, plan_forward
+from cce_autotune import BackwardVariant, KernelVariants, LSEForwardVariant, linear_cross_entropy, memory
+from cce_autotune.planning import budget as budgets
+from cce_autotune.planning import costs, explain, planner
+from cce_autotune.planning.budget import memory_budget, parse_bytes
+from cce_autotune.plans import BackwardPlan, MiB
+from cce_autotune.plans import CallProblem as Problem
+from cce_autotune.strategies import chunked, forward, fused, tiles
 from helpers import grads_of, make_inputs, rel_err, torch_loss
 from test_loss import SMALL, assert_within, run_case
 from test_variants import filtered_bound
@@ -26,6 +31,21 @@ def default_budget(p):
     return memory_budget("auto", p.grad_bytes, 4 * p.n_all * p.D)
 
 
+COSTS = costs.builtin()  # the built-in (H200) cost model
+
+
+def plan_backward(p, variant, **kw):
+    return planner.plan_backward(p, variant, costs=COSTS, **kw)
+
+
+def plan_fused(p, variant, **kw):
+    return planner.plan_fused(p, variant, costs=COSTS, **kw)
+
+
+def chunked_shape(p, block_v, chunk_v, budget, exact):
+    return chunked.shape(p, block_v, chunk_v, budget, exact, COSTS)
+
+
 # -- sizes and budgets ------------------------------------------------------------------------
 @pytest.mark.parametrize("text, expected", [("512MiB", 512 * MiB), ("2 GB", 2 * 10**9), ("1.5GiB", int(1.5 * 2**30)),
                                             ("1024", 1024), (4096, 4096), ("auto", "auto"), ("none", None), (None, None)])
@@ -40,14 +60,14 @@ def test_parse_bytes_names_the_argument(bad):
 
 
 def test_memory_budget_default_environment_and_explicit(monkeypatch):
-    monkeypatch.delenv(planner.ENV_MAX_EXTRA, raising=False)
+    monkeypatch.delenv(budgets.ENV_MAX_EXTRA, raising=False)
     assert memory_budget("auto", 1000 * MiB, 10 * MiB) == int(0.05 * 1000 * MiB) + 32 * MiB + 10 * MiB
-    monkeypatch.setenv(planner.ENV_MAX_EXTRA, "3GiB")
+    monkeypatch.setenv(budgets.ENV_MAX_EXTRA, "3GiB")
     assert memory_budget("auto", 1000 * MiB) == 3 * 2**30
     assert memory_budget(123, 1000 * MiB) == 123  # an explicit argument wins over the environment
     assert memory_budget(None, 1000 * MiB) is None
-    monkeypatch.setenv(planner.ENV_MAX_EXTRA, "plenty")
-    with pytest.raises(ValueError, match=planner.ENV_MAX_EXTRA):
+    monkeypatch.setenv(budgets.ENV_MAX_EXTRA, "plenty")
+    with pytest.raises(ValueError, match=budgets.ENV_MAX_EXTRA):
         memory_budget("auto", 1000 * MiB)
 
 
@@ -63,7 +83,7 @@ def test_loss_rejects_a_bad_budget_naming_the_argument(device):
 def test_every_plan_fits_the_default_budget(name, live):
     p = problem(name)
     budget = default_budget(p)
-    plan = plan_backward(p, BackwardVariant(), has_map=True, live=live, live_chunks=min(1.0, 3 * live), budget=budget)
+    plan = plan_backward(p, BackwardVariant(), has_map=True, live=live, live_blocks=min(1.0, 3 * live), budget=budget)
     assert plan.extra_bytes <= budget, plan.describe()
     # No V x D fp32 scratch in a default plan: the tile kernel takes dC in windows.
     assert plan.strategy != "tiles" or 0 < plan.window_v < p.V
@@ -73,8 +93,8 @@ def test_every_plan_fits_the_default_budget(name, live):
 
 def test_few_live_tiles_take_the_tile_kernel_many_take_the_chunked_strategy():
     p = problem("llama3")
-    few = plan_backward(p, BackwardVariant(), has_map=True, live=0.05, live_chunks=0.5, budget=None)
-    many = plan_backward(p, BackwardVariant(), has_map=True, live=0.9, live_chunks=1.0, budget=None)
+    few = plan_backward(p, BackwardVariant(), has_map=True, live=0.05, live_blocks=0.5, budget=None)
+    many = plan_backward(p, BackwardVariant(), has_map=True, live=0.9, live_blocks=1.0, budget=None)
     assert few.strategy == "tiles" and few.window_v == 0  # unlimited: one V x D scratch
     assert many.strategy == "chunked"
     assert few.cost < many.cost
@@ -84,9 +104,9 @@ def test_few_live_tiles_take_the_tile_kernel_many_take_the_chunked_strategy():
 def test_an_explicit_strategy_runs_when_it_fits_and_is_replaced_when_it_does_not():
     p = problem("gemma2")
     v = BackwardVariant(strategy="sparse")
-    fits = plan_backward(p, v, has_map=True, live=0.02, live_chunks=0.5, budget=None)
+    fits = plan_backward(p, v, has_map=True, live=0.02, live_blocks=0.5, budget=None)
     assert fits.strategy == "sparse" and "asks for it" in fits.reason
-    tight = plan_backward(p, v, has_map=True, live=0.5, live_chunks=1.0, budget=default_budget(p))
+    tight = plan_backward(p, v, has_map=True, live=0.5, live_blocks=1.0, budget=default_budget(p))
     assert tight.strategy != "sparse" and "sparse exceeds the budget" in tight.reason
     nomap = plan_backward(p, v, has_map=False, budget=None)
     assert nomap.strategy != "sparse" and "cannot run" in nomap.reason
@@ -94,32 +114,32 @@ def test_an_explicit_strategy_runs_when_it_fits_and_is_replaced_when_it_does_not
 
 def test_nothing_fits_takes_the_smallest_and_says_so():
     p = problem("mistral")
-    plan = plan_backward(p, BackwardVariant(), has_map=True, live=0.3, live_chunks=1.0, budget=1)
+    plan = plan_backward(p, BackwardVariant(), has_map=True, live=0.3, live_blocks=1.0, budget=1)
     assert "nothing fits" in plan.reason
     assert plan.extra_bytes == min([plan.extra_bytes] + [a[2] for a in plan.alternatives])
 
 
 def test_rows_go_in_groups_before_de_leaves_fp32_as_the_budget_shrinks():
     p = problem("llama3", sorted_vocab=False)
-    assert planner.chunked_shape(p, 128, 4096, None, exact=False) == (4096, True, 0)
+    assert chunked_shape(p, 128, 4096, None, exact=False) == (4096, True, 0)
     # The fp32 dE fits, the g block of every row at 1024 columns does not: narrower chunks or row
     # groups, whichever the cost model prefers, but dE stays fp32.
-    tight = planner.chunked_bytes(p, 1024, True, True) - 1
-    w, fp32, rg = planner.chunked_shape(p, 128, 4096, tight, exact=False)
-    assert fp32 and (w < 1024 or 0 < rg < p.n) and planner.chunked_bytes(p, w, True, True, rg) <= tight
+    tight = chunked.extra_bytes(p, 1024, True, True) - 1
+    w, fp32, rg = chunked_shape(p, 128, 4096, tight, exact=False)
+    assert fp32 and (w < 1024 or 0 < rg < p.n) and chunked.extra_bytes(p, w, True, True, rg) <= tight
     # Small D, many tokens: the g block outweighs a (chunk x D) fp32 dC buffer, so rows go in groups.
     q = Problem(n=32768, n_all=32768, V=151936, D=896, elem=2, grad_bytes=2 * (32768 + 151936) * 896)
-    w, fp32, rg = planner.chunked_shape(q, 128, 4096, default_budget(q), exact=True)
+    w, fp32, rg = chunked_shape(q, 128, 4096, default_budget(q), exact=True)
     assert fp32 and 0 < rg < q.n and w >= 1024, (w, fp32, rg)
     # Not even the fp32 dE fits: dE in its own dtype, the widest chunk that fits.
-    small = planner.chunked_shape(p, 128, 4096, planner.chunked_bytes(p, 2048, False, True), exact=False)
+    small = chunked_shape(p, 128, 4096, chunked.extra_bytes(p, 2048, False, True), exact=False)
     assert small == (2048, False, 0)
-    assert planner.chunked_shape(p, 128, 4096, 64 * MiB, exact=True)[1]  # exact keeps its fp32 dE
+    assert chunked_shape(p, 128, 4096, 64 * MiB, exact=True)[1]  # exact keeps its fp32 dE
     # Chunks are whole tiles whatever V (the live grid is read a tile at a time): 896 -> 384, not 448.
     for V in (896, 3500, 7000):
         q = Problem(n=32768, n_all=32768, V=V, D=896, elem=2, grad_bytes=2 * (32768 + V) * 896)
-        for budget in (None, 10 * MiB, 60 * MiB, 200 * MiB, planner.chunked_bytes(q, 448, False, True)):
-            assert planner.chunked_shape(q, 128, 4096, budget, exact=False)[0] % 128 == 0, (V, budget)
+        for budget in (None, 10 * MiB, 60 * MiB, 200 * MiB, chunked.extra_bytes(q, 448, False, True)):
+            assert chunked_shape(q, 128, 4096, budget, exact=False)[0] % 128 == 0, (V, budget)
 
 
 @pytest.mark.parametrize("n, V, D", [(32768, 151936, 896), (32768, 128256, 4096), (32768, 50257, 768),
@@ -131,7 +151,7 @@ def test_default_budget_keeps_de_in_fp32_at_many_tokens(n, V, D):
                 map_bytes=n * -(-V // 256))
     budget = default_budget(p)
     for live in (0.3, 0.6, 1.0):
-        plan = plan_backward(p, BackwardVariant(strategy="chunked"), has_map=True, live=live, live_chunks=1.0,
+        plan = plan_backward(p, BackwardVariant(strategy="chunked"), has_map=True, live=live, live_blocks=1.0,
                              budget=budget)
         assert plan.strategy == "chunked" and plan.de_fp32 and plan.extra_bytes <= budget, plan.describe()
         assert plan.row_group == 0 or plan.row_group % 256 == 0
@@ -140,43 +160,42 @@ def test_default_budget_keeps_de_in_fp32_at_many_tokens(n, V, D):
 def test_chunk_grid_marks_live_blocks_per_row_group():
     live = torch.zeros((6, 8), dtype=torch.bool)  # 6 row blocks, 8 tiles
     live[0, 1] = live[5, 7] = True
-    assert planner.chunk_grid(live, 4, 1).tolist() == [[True], [True]]  # 2 chunks, one group
-    grid = planner.chunk_grid(live, 4, 1, 4)  # groups of 4 row blocks: 2 groups, the second short
+    assert chunked.chunk_grid(live, 4, 1).tolist() == [[True], [True]]  # 2 chunks, one group
+    grid = chunked.chunk_grid(live, 4, 1, 4)  # groups of 4 row blocks: 2 groups, the second short
     assert grid.tolist() == [[True, False], [False, True]]
 
 
 def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
     p = problem("gpt4096")
     v = BackwardVariant()
-    plan = plan_forward(p, v, paused=True, allowed=True)
-    assert plan is not None and plan.strategy == "fused" and plan.row_block >= planner.FUSED_MIN_ROWS
+    plan = plan_fused(p, v, paused=True, allowed=True)
+    assert plan is not None and plan.strategy == "fused" and plan.row_block >= COSTS.fused_min_rows
     assert plan.extra_bytes <= default_budget(p)
-    assert plan_forward(p, v, paused=False, allowed=True) is None  # nothing says most tiles are live
-    assert plan_forward(p, v, paused=True, allowed=False) is None  # e.g. reduction "none"
-    assert plan_forward(p, v, paused=True, allowed=True, max_extra_memory=MiB) is None  # no room for a block
-    assert plan_forward(p, v.replace(strategy="fused"), paused=False, allowed=True) is not None
+    assert plan_fused(p, v, paused=False, allowed=True) is None  # nothing says most tiles are live
+    assert plan_fused(p, v, paused=True, allowed=False) is None  # e.g. reduction "none"
+    assert plan_fused(p, v, paused=True, allowed=True, max_extra_memory=MiB) is None  # no room for a block
+    assert plan_fused(p, v.replace(strategy="fused"), paused=False, allowed=True) is not None
 
 
-def test_pause_when_filtering_cannot_pay(device, monkeypatch):
+def test_pause_when_filtering_cannot_pay(device):
     # A map that leaves every tile live: the mapped plans cost as much as computing everything, so
     # the classifier's next calls neither walk nor sort; a peaked map does not pause. (Without the
     # mapped path's fixed cost, which at this tiny size would pause everything.)
     from cce_autotune.tile_map import TileMap
 
-    monkeypatch.setitem(planner.COSTS, "h200", planner.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0))
-    monkeypatch.setattr(planner, "cost_model", lambda gpu: planner.COSTS["h200"])
+    model = costs.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0)
     n, V, D = 64, 512, 32
     v = BackwardVariant(block_b=16, block_v=32, block_d=16)
     p = Problem(n=n, n_all=n, V=V, D=D, elem=4, grad_bytes=4 * (n + V) * D, sorted_vocab=True, map_bytes=n * V // 32)
     perm = torch.arange(V, dtype=torch.int32, device=device)
     zt, lse = torch.zeros(n, device=device), torch.ones(n, device=device)  # every target at softmax 1/e
     flat = TileMap(q=torch.full((V // 32, n), 127, dtype=torch.int8, device=device), block_v=32, perm=perm, zt=zt)
-    plan, live, chunks, pause = planner.decide(p, v, 2.0**-12, flat, lse, max_extra_memory=None)
+    plan, live, chunks, pause = planner.decide(p, v, 2.0**-12, flat, lse, budget=None, costs=model)[:4]
     assert pause and not plan.use_map and live is None  # this call filters nothing either
     assert "filtering cannot pay (live tiles 100.0%)" in plan.reason
     peaked = TileMap(q=torch.full((V // 32, n), -128, dtype=torch.int8, device=device), block_v=32, perm=perm, zt=zt)
     peaked.q[0] = 127
-    plan, live, chunks, pause = planner.decide(p, v, 2.0**-12, peaked, lse, max_extra_memory=None)
+    plan, live, chunks, pause = planner.decide(p, v, 2.0**-12, peaked, lse, budget=None, costs=model)[:4]
     assert plan.live < 0.1 and not pause and live is not None
 
 
@@ -184,20 +203,20 @@ def test_paused_classifier_skips_the_walk_then_probes_again(device, monkeypatch)
     e, c, t, _ = make_inputs((40,), 100, 32, torch.float32, peaked=2.0, device=device)
     c.requires_grad_()
     walked = []
-    real = kernels.lse_forward
-    monkeypatch.setattr(kernels, "lse_forward", lambda *a, **k: (walked.append(k.get("perm") is not None), real(*a, **k))[1])
-    monkeypatch.setattr(planner, "plan_forward", lambda *a, **k: None)  # keep the paused calls on the LSE path
+    real = forward.lse_forward
+    monkeypatch.setattr(forward, "lse_forward", lambda *a, **k: (walked.append(k.get("perm") is not None), real(*a, **k))[1])
+    monkeypatch.setattr(planner, "plan_fused", lambda *a, **k: None)  # keep the paused calls on the LSE path
     kv = SMALL.replace(backward=SMALL.backward.replace(tile_map=True, filter_eps=2.0**-8))
     linear_cross_entropy(e, c, t, impl="triton", variants=kv).backward()  # sorts, remembers
-    vocab_order.pause(c, 2)
+    memory.pause(c, 2)
     for _ in range(3):
         linear_cross_entropy(e, c, t, impl="triton", variants=kv).backward()
     assert walked == [False, False, False, True]
 
 
 def test_explain_prints_each_new_plan_once(device, monkeypatch, capsys):
-    monkeypatch.setenv(planner.ENV_EXPLAIN, "1")
-    planner._seen.clear()
+    monkeypatch.setenv(explain.ENV_EXPLAIN, "1")
+    explain.forget()
     e, c, t, _ = make_inputs((40,), 100, 32, torch.float32, device=device)
     for _ in range(2):
         ee = e.clone().requires_grad_()
@@ -208,13 +227,13 @@ def test_explain_prints_each_new_plan_once(device, monkeypatch, capsys):
 
 
 def test_explain_prints_a_plan_again_when_the_check_chose_otherwise(monkeypatch, capsys):
-    monkeypatch.setenv(planner.ENV_EXPLAIN, "1")
-    planner._seen.clear()
+    monkeypatch.setenv(explain.ENV_EXPLAIN, "1")
+    explain.forget()
     p = Problem(n=8, n_all=8, V=100, D=4, elem=2, grad_bytes=0)
-    plan = planner.BackwardPlan(strategy="chunked", use_map=True, chunk_v=64, reason="fastest estimate")
+    plan = BackwardPlan(strategy="chunked", use_map=True, chunk_v=64, reason="fastest estimate")
     for checked in ("", "", "the dead-tile correction (measured)", "the dead-tile correction (measured)",
                     "filter_eps lowered to 3.8e-06 by the measured dE error (at most 0.007)"):
-        planner.report(plan, p, checked)
+        explain.report(plan, p, checked)
     assert capsys.readouterr().err.count("cce_autotune plan (n=8, V=100, D=4)") == 3
 
 
@@ -222,9 +241,9 @@ def test_explain_prints_a_plan_again_when_the_check_chose_otherwise(monkeypatch,
 def _force(monkeypatch, **shapes):
     """Make the planner produce the given shapes whatever the budget (tiny tests fit everything)."""
     if "chunk" in shapes:
-        monkeypatch.setattr(planner, "chunked_shape", lambda *a, **k: shapes["chunk"])
+        monkeypatch.setattr(chunked, "shape", lambda *a, **k: shapes["chunk"])
     if "window" in shapes:
-        monkeypatch.setattr(planner, "tiles_window", lambda p, bv, n_live, budget: shapes["window"])
+        monkeypatch.setattr(tiles, "window", lambda p, bv, n_live, budget: shapes["window"])
 
 
 MAPPED = SMALL.replace(
@@ -255,7 +274,7 @@ def lm_inputs(batch, V, D, dtype, *, bias=False, seed=0, peaked=0.0, device="cpu
     ("tiles", dict(window=64), torch.bfloat16),            # the tile kernel with dC in windows
 ], ids=str)
 @pytest.mark.parametrize("eps", [2.0**-12, 2.0**-6])
-def test_plan_shapes_match_the_oracle(strategy, shapes, dtype, eps, device, monkeypatch, no_accuracy_guard):
+def test_plan_shapes_match_the_oracle(strategy, shapes, dtype, eps, device, monkeypatch, no_accuracy_guard, planned):
     # Odd shapes, ignored rows, shift, bias, softcap, a primed order (so the map path runs); with
     # eps = 2^-6 whole chunks are dead and skipped (their target terms come from outside).
     import test_loss
@@ -263,12 +282,9 @@ def test_plan_shapes_match_the_oracle(strategy, shapes, dtype, eps, device, monk
     _force(monkeypatch, **shapes)
     monkeypatch.setattr(test_loss, "make_inputs", lm_inputs)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy=strategy))
-    plans = []
-    real = kernels.backward
-    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (plans.append(a[12]), real(*a, **k))[1])
     res, (e, c, t, b) = run_case((3, 41), 601, 45, dtype, variants=kv, bias=True, softcap=30.0, shift=1,
                                  ignore=0.1, peaked=3.0, filter_eps="auto", walk="sorted", device=device)
-    plan = plans[-1]
+    plan = planned[-1].call.backward
     assert plan.strategy == strategy and plan.use_map
     if strategy == "chunked" and eps == 2.0**-6:
         assert plan.live_chunks < 1.0, "the test should skip whole chunks"
@@ -280,14 +296,11 @@ def test_plan_shapes_match_the_oracle(strategy, shapes, dtype, eps, device, monk
 
 
 @pytest.mark.parametrize("layout", ["dense", "shift", "strided"])
-def test_row_groups_without_a_map_match_the_oracle(layout, device, monkeypatch):
+def test_row_groups_without_a_map_match_the_oracle(layout, device, monkeypatch, planned):
     # The exact (first-call) path in row groups of 32 rows, the last one short: dense rows (E viewed
     # from each group's first row), shift (a row table with holes), a strided batch (a table, no
     # holes); deterministic with a bias (dbias summed from each group's g).
     _force(monkeypatch, chunk=(64, True, 32))
-    plans = []
-    real = kernels.backward
-    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (plans.append(a[12]), real(*a, **k))[1])
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="chunked"))
     if layout == "strided":
         e, c, t, b = make_inputs((3, 41), 301, 45, torch.bfloat16, bias=True, seed=3, device=device)
@@ -302,29 +315,28 @@ def test_row_groups_without_a_map_match_the_oracle(layout, device, monkeypatch):
         res, _ = run_case((3, 41), 301, 45, torch.bfloat16, variants=kv, bias=True, softcap=20.0,
                           shift=1 if layout == "shift" else 0, ignore=0.1, device=device)
         assert_within(res)
+    plans = [r.call.backward for r in planned]
     assert plans and plans[-1].row_group == 32 and not plans[-1].use_map
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("features", ["plain", "bias+softcap+shift"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_matches_the_oracle(reduction, features, dtype, device, monkeypatch):
+def test_fused_matches_the_oracle(reduction, features, dtype, device, set_costs, planned):
     full = features != "plain"
-    monkeypatch.setattr(planner, "FUSED_MIN_ROWS", 1)
+    set_costs(fused_min_rows=1)
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
-    seen = []
-    real = kernels.fused
-    monkeypatch.setattr(kernels, "fused", lambda *a, **k: (seen.append(a[-1]), real(*a, **k))[1])
     res, _ = run_case((3, 37), 301, 45, dtype, variants=kv, bias=full, softcap=12.0 if full else None,
                       shift=1 if full else 0, reduction=reduction, ignore=0.1, filter_eps="auto", device=device)
+    seen = [r.call.forward.fused.row_block for r in planned if r.call.forward.fused is not None]
     assert seen, "the fused strategy did not run"
     assert_within(res)
 
 
-def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(device, monkeypatch):
+def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(device, monkeypatch, set_costs):
     # Blocks of 16 rows (dC summed over blocks); a loss multiplied by 3 gets 3x the gradients.
-    monkeypatch.setattr(planner, "FUSED_MIN_ROWS", 1)
-    monkeypatch.setattr(planner, "fused_bytes", lambda p, R, dense_rows=True: R * 1000)
+    set_costs(fused_min_rows=1)
+    monkeypatch.setattr(fused, "extra_bytes", lambda p, R, dense_rows=True: R * 1000)
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
     e, c, t, _ = make_inputs((70,), 130, 40, torch.float32, device=device)
     _, (ge, gc) = grads_of(lambda e_, c_: 3 * linear_cross_entropy(e_, c_, t, impl="triton", variants=kv,
@@ -333,12 +345,12 @@ def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(device, monkeypat
     assert rel_err(ge, re) < 1e-5 and rel_err(gc, rc) < 1e-5
 
 
-def test_fused_is_not_used_where_it_cannot_be(device, monkeypatch):
+def test_fused_is_not_used_where_it_cannot_be(device, monkeypatch, set_costs):
     # reduction "none" (per-row incoming gradients) and a returned LSE (its gradient) need a backward.
-    monkeypatch.setattr(planner, "FUSED_MIN_ROWS", 1)
+    set_costs(fused_min_rows=1)
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
     called = []
-    monkeypatch.setattr(kernels, "fused", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(fused.Fused, "run_forward", lambda self, *a, **k: called.append(1))
     for kw in (dict(reduction="none"), dict(return_lse=True)):
         res, _ = run_case((20,), 64, 32, torch.float32, variants=kv, filter_eps="auto", device=device, **kw)
         assert_within(res)

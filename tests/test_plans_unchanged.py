@@ -92,27 +92,25 @@ def _zero_fixed_costs():
     """The planner's cost model without its fixed host costs, so that plans on these tiny shapes are
     decided by the live shares (as on the large shapes of a GPU) and not by launch overheads.
     Returns a function that restores the model."""
-    from cce_autotune import planner
+    from cce_autotune.planning import costs
 
-    saved = planner.COSTS["h200"]
-    planner.COSTS["h200"] = planner.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, block_ms=0.0,
-                                              window_ms=0.0)
+    saved = costs.BUILTIN["h200"]
+    costs.BUILTIN["h200"] = dict(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, block_ms=0.0, window_ms=0.0)
 
     def restore():
-        planner.COSTS["h200"] = saved
+        costs.BUILTIN["h200"] = saved
 
     return restore
 
 
 def call_trace() -> str:
-    from cce_autotune import accuracy, vocab_order
+    from cce_autotune import memory
     from cce_autotune.data import lm_like
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lines = []
     for name, spec in _cases().items():
-        vocab_order.clear()
-        accuracy.clear()
+        memory.clear()
         spec = dict(spec)
         restore = _zero_fixed_costs() if spec.pop("costs", "zero") == "zero" else (lambda: None)
         n, V, D = 80, 384, 32

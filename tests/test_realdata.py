@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cce_autotune import bench, realdata
+from cce_autotune import bench
+from cce_autotune.data import real as realdata
 from cce_autotune.data import make_data
 
 # A model that trains in about two seconds on one CPU core and still learns more than token frequencies.

@@ -10,9 +10,12 @@ import pytest
 import yaml
 from conftest_tune import isolated, make_entry  # noqa: F401
 
-from cce_autotune import cli, codegen, db, report, tune
+from cce_autotune import cli, codegen
+from cce_autotune.configdb import store as db
+from cce_autotune.cli import report
+from cce_autotune import tuner as tune
 
-SMALL = tune.Problem(B=512, V=32000, D=256)
+SMALL = tune.TuningProblem(B=512, V=32000, D=256)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from cce_autotune.space import SearchSpace, SpaceContext, SpaceError, load_space
+from cce_autotune.tuner.space import SearchSpace, SpaceContext, SpaceError, load_space
 from cce_autotune.variant import KERNELS, KernelVariants, VariantError
 
 H200 = 232448

@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from cce_autotune import BackwardVariant, KernelVariants, LSEForwardVariant, kernels, linear_cross_entropy, vocab_order
+from cce_autotune import BackwardVariant, KernelVariants, LSEForwardVariant, linear_cross_entropy
+from cce_autotune import memory
+from cce_autotune.planning import costs, filters, planner
+from cce_autotune.plans import CallProblem
+from cce_autotune.strategies import forward
+from cce_autotune.strategies.common import RowLayout
 from cce_autotune.tile_map import TileMap, live_tiles
 from helpers import grads_of, make_inputs, rel_err, torch_loss
 from test_loss import SMALL, assert_within, prime_order, run_case
@@ -22,10 +27,10 @@ def _sorted_perm(e, c):
 
 
 def _forward_map(e, c, t, variant, softcap=None, bias=None, perm=None):
-    rows = kernels.RowLayout.dense(e.shape[0], e.shape[1], e.device)
-    zt = kernels.indexed_dot(e, c, bias, rows, t, softcap, SMALL.indexed_dot)
+    rows = RowLayout.dense(e.shape[0], e.shape[1], e.device)
+    zt = forward.indexed_dot(e, c, bias, rows, t, softcap, SMALL.indexed_dot)
     perm = _sorted_perm(e, c) if perm is None else perm
-    lse, tmap = kernels.lse_forward(e, c, bias, rows, softcap, variant, perm=perm, zt=zt)
+    lse, tmap = forward.lse_forward(e, c, bias, rows, softcap, variant, perm=perm, zt=zt)
     return lse, tmap
 
 
@@ -103,16 +108,16 @@ def test_live_tiles_keep_rows_with_nan_or_saturated_bounds(device):
 
 
 def test_vocab_order_remembers_per_classifier_and_evicts_the_oldest(device):
-    cs = [torch.zeros(10 + i, 4, device=device) for i in range(vocab_order.MAX_ENTRIES + 1)]
+    cs = [torch.zeros(10 + i, 4, device=device) for i in range(memory.MAX_ENTRIES + 1)]
     for c in cs:
-        vocab_order.remember(c, torch.arange(c.shape[0], dtype=torch.int32, device=device))
-    assert vocab_order.lookup(cs[0]) is None  # evicted
-    assert vocab_order.lookup(cs[-1]) is not None and vocab_order.lookup(cs[-1]).shape == (cs[-1].shape[0],)
-    assert vocab_order.lookup(cs[1][:5]) is None  # a view of other shape is another classifier
+        memory.remember_order(c, torch.arange(c.shape[0], dtype=torch.int32, device=device))
+    assert memory.order(cs[0]) is None  # evicted
+    assert memory.order(cs[-1]) is not None and memory.order(cs[-1]).shape == (cs[-1].shape[0],)
+    assert memory.order(cs[1][:5]) is None  # a view of other shape is another classifier
     with pytest.raises(ValueError, match="perm"):
-        vocab_order.remember(cs[1], torch.arange(3, dtype=torch.int32, device=device))
-    vocab_order.clear()
-    assert vocab_order.lookup(cs[-1]) is None
+        memory.remember_order(cs[1], torch.arange(3, dtype=torch.int32, device=device))
+    memory.clear()
+    assert memory.order(cs[-1]) is None
 
 
 def _step(e, c, t, b, kv, **kw):
@@ -120,14 +125,11 @@ def _step(e, c, t, b, kv, **kw):
     return loss.detach(), ge, gc, gb
 
 
-def test_second_call_walks_the_remembered_order_and_matches_the_first(device, monkeypatch):
+def test_second_call_walks_the_remembered_order_and_matches_the_first(device, monkeypatch, planned):
     # First call: no order yet (sorts in the backward, remembers it). Second call with the same
     # classifier tensor: the forward walks that order, the backward launches only mapped tiles.
     e, c, t, b = make_inputs((77,), 301, 40, torch.float32, bias=True, peaked=2.5, seed=6, device=device)
     c = c.requires_grad_()
-    launched = []
-    real = kernels.backward
-    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (launched.append(k.get("tile_map")), real(*a, **k))[1])
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
     out = []
     for _ in range(2):
@@ -136,8 +138,9 @@ def test_second_call_walks_the_remembered_order_and_matches_the_first(device, mo
         loss = linear_cross_entropy(ee, c, t, bb, impl="triton", variants=kv, softcap=9.0)
         loss.backward()
         out.append((loss.detach(), ee.grad, c.grad.clone(), bb.grad))
-    assert launched[0] is None and launched[1] is not None
-    assert vocab_order.lookup(c) is not None
+    launched = [r.call.order == "map" for r in planned]
+    assert launched == [False, True]
+    assert memory.order(c) is not None
     (l0, e0, c0, b0), (l1, e1, c1, b1) = out
     assert rel_err(l1, l0) < 1e-6
     # Same filter, same decisions up to targets that now leave their tile: within the filter bound.
@@ -174,46 +177,38 @@ def test_mapped_backward_with_reduction_none_and_lse_gradient(device):
     assert_within(res)
 
 
-def test_map_is_not_made_without_filtering_or_for_forward_only_calls(device):
+def test_map_is_not_made_without_filtering_or_for_forward_only_calls(device, monkeypatch):
     e, c, t, _ = make_inputs((40,), 100, 32, torch.float32, peaked=2.0, device=device)
     prime_order(c, e, "sorted")
     seen = []
-    real = kernels.lse_forward
+    real = forward.lse_forward
 
     def spy(*a, **k):
         out = real(*a, **k)
         seen.append(out[1])
         return out
 
-    import cce_autotune.ops as ops_mod
-
-    ops_mod.kernels.lse_forward, orig = spy, ops_mod.kernels.lse_forward
-    try:
-        with torch.no_grad():
-            linear_cross_entropy(e, c, t, impl="triton", variants=MAPPED)
-        linear_cross_entropy(e, c.requires_grad_(), t, impl="triton", variants=MAPPED, filter_eps=None).backward()
-        linear_cross_entropy(e, c, t, impl="triton", variants=MAPPED).backward()
-    finally:
-        ops_mod.kernels.lse_forward = orig
+    monkeypatch.setattr(forward, "lse_forward", spy)
+    with torch.no_grad():
+        linear_cross_entropy(e, c, t, impl="triton", variants=MAPPED)
+    linear_cross_entropy(e, c.requires_grad_(), t, impl="triton", variants=MAPPED, filter_eps=None).backward()
+    linear_cross_entropy(e, c, t, impl="triton", variants=MAPPED).backward()
     assert seen[0] is None and seen[1] is None and seen[2] is not None
 
 
 @pytest.mark.parametrize("flat", [True, False])
-def test_auto_strategy_runs_the_planners_choice(flat, device, monkeypatch, no_accuracy_guard):
+def test_auto_strategy_runs_the_planners_choice(flat, device, monkeypatch, no_accuracy_guard, set_costs, planned):
     # Strategy "auto": whatever the planner picks from the live share the map measures is what runs,
     # and results are right either way (flat softmax: most tiles live; peaked: few).
-    from cce_autotune import planner
-
     # (No fixed costs in the model: at this tiny size they would pause filtering on every device.)
-    monkeypatch.setitem(planner.COSTS, "h200", planner.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0))
-    monkeypatch.setattr(planner, "cost_model", lambda gpu: planner.COSTS["h200"])
+    set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0)
     plans, launched = [], []
-    real_decide, real_backward = planner.decide, kernels.backward
+    real_decide = planner.decide
     monkeypatch.setattr(planner, "decide", lambda *a, **k: (lambda out: (plans.append(out[0]), out)[1])(real_decide(*a, **k)))
-    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (launched.append(a[12]), real_backward(*a, **k))[1])
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-12 if flat else 2.0**-5, strategy="auto"))
     res, (e, c, t, b) = run_case((61,), 1024, 45, torch.float32, variants=kv, bias=True, peaked=0.0 if flat else 2.0,
                                  filter_eps="auto", walk="sorted", device=device)
+    launched = [r.call.backward for r in planned if r.call is not None and r.call.backward is not None]
     assert plans and launched[-1] is plans[-1]
     if flat:  # every tile live: filtering cannot pay, and this call already filters nothing
         assert not plans[-1].use_map and "filtering cannot pay" in plans[-1].reason
@@ -243,7 +238,7 @@ def test_map_path_is_as_accurate_as_the_first_call(strategy, dtype, device):
         c.grad = None
         linear_cross_entropy(ee, c, t, impl="triton", variants=kv).backward()
         errs.append([rel_err(ee.grad, ref[0]), rel_err(c.grad, ref[1])])
-    assert vocab_order.lookup(c) is not None
+    assert memory.order(c) is not None
     for first, mapped in zip(*errs):
         assert mapped <= 1.1 * first + 1e-6, errs
 
@@ -265,67 +260,57 @@ def test_dropped_share_bounds_the_mass_the_filter_drops(device):
         assert bound <= 1e3 * max(true.item(), 1e-9)  # a bound, not a blanket
 
 
-def _guard_case(device, q_tail, V, n=16):
-    from cce_autotune import planner
-    from cce_autotune.planner import Problem
-
+def _guard_case(device, q_tail, V, model, n=16):
     T = V // 32
     v = BackwardVariant(block_b=16, block_v=32, block_d=16)
-    p = Problem(n=n, n_all=n, V=V, D=32, elem=4, grad_bytes=4 * (n + V) * 32, sorted_vocab=True, map_bytes=n * T)
+    p = CallProblem(n=n, n_all=n, V=V, D=32, elem=4, grad_bytes=4 * (n + V) * 32, sorted_vocab=True, map_bytes=n * T)
     q = torch.full((T, n), -128, dtype=torch.int8, device=device)
     q[0] = 127
     for k, val in q_tail.items():
         q[k] = val
     zt, lse = torch.zeros(n, device=device), torch.ones(n, device=device)  # targets at softmax 1/e
     tmap = TileMap(q=q, block_v=32, perm=torch.arange(V, dtype=torch.int32, device=device), zt=zt)
-    return planner.decide(p, v, 2.0**-12, tmap, lse, max_extra_memory=None)
+    return planner.decide(p, v, 2.0**-12, tmap, lse, budget=None, costs=model)[:4]
 
 
-def test_accuracy_guard_lowers_the_filter_or_runs_exact(device, monkeypatch):
-    from cce_autotune import planner
-
-    monkeypatch.setitem(planner.COSTS, "h200", planner.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0))
-    monkeypatch.setattr(planner, "cost_model", lambda gpu: planner.COSTS["h200"])
-    monkeypatch.setattr(planner, "MAX_DROPPED", 5e-3)  # the mechanism, at a threshold these small maps reach
+def test_accuracy_guard_lowers_the_filter_or_runs_exact(device):
+    # (max_dropped: the mechanism, at a threshold these small maps reach)
+    model = costs.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, max_dropped=5e-3)
     # Two tiles just under 2^-12 drop ~1e-2 of the gradient's mass: the filter goes to 2^-16, where
     # they are live and the rest (at the map's floor) drop ~1e-5.
-    plan, live, chunks, pause = _guard_case(device, {1: -60, 2: -60}, 512)
+    plan, live, chunks, pause = _guard_case(device, {1: -60, 2: -60}, 512, model)
     assert plan.filter_eps == 2.0**-16 and "lowered" in plan.reason and plan.use_map and not pause
     assert live is not None and live[:, 1:3].all() and not live[:, 3:].any()
     # 255 tiles just under even 2^-20: every filter drops too much; the call runs exact and pauses.
-    plan, live, chunks, pause = _guard_case(device, {k: -103 for k in range(1, 256)}, 8192)
+    plan, live, chunks, pause = _guard_case(device, {k: -103 for k in range(1, 256)}, 8192, model)
     assert pause and not plan.use_map and live is None and "would drop" in plan.reason
     # A peaked map passes at the call's own filter.
-    plan, live, chunks, pause = _guard_case(device, {}, 512)
+    plan, live, chunks, pause = _guard_case(device, {}, 512, model)
     assert plan.filter_eps is None and plan.use_map and not pause
 
 
 @pytest.mark.parametrize("guard", ["dropped", "measured"])
-def test_lowered_filter_reaches_the_kernels_and_keeps_the_gradient_accurate(guard, device, monkeypatch):
+def test_lowered_filter_reaches_the_kernels_and_keeps_the_gradient_accurate(guard, device, monkeypatch, set_costs,
+                                                                            planned):
     # A flat softmax and a coarse filter (2^-6): unguarded it drops much of the gradient; each guard
-    # alone (the map's dropped-mass bound; the measured check of cce_autotune.accuracy) lowers the
-    # filter, the kernels run with the lowered one, and dE is far closer to the oracle.
-    from cce_autotune import accuracy, planner
-
+    # alone (the map's dropped-mass bound; the measured check of cce_autotune.planning.accuracy) lowers
+    # the filter, the kernels run with the lowered one, and dE is far closer to the oracle.
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
     _, ref = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
-    seen = []
-    real = kernels.backward
-    monkeypatch.setattr(kernels, "backward", lambda *a, **k: (seen.append((a[10], a[12])), real(*a, **k))[1])
-    monkeypatch.setattr(accuracy, "MAX_ERROR", float("inf") if guard == "dropped" else 2e-3)
+    monkeypatch.setattr(filters, "MAX_ERROR", float("inf") if guard == "dropped" else 2e-3)
     if guard == "measured":
-        monkeypatch.setattr(planner, "MAX_DROPPED", float("inf"))
+        set_costs(max_dropped=float("inf"))
     errs = {}
     for on in (True, False):
         if not on:
-            monkeypatch.setattr(planner, "MAX_DROPPED", float("inf"))
-            monkeypatch.setattr(accuracy, "MAX_ERROR", float("inf"))
+            set_costs(max_dropped=float("inf"))
+            monkeypatch.setattr(filters, "MAX_ERROR", float("inf"))
         ee, cc = e.clone().requires_grad_(), c.clone()
         prime_order(cc, ee, "sorted")
         linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
         errs[on] = rel_err(ee.grad, ref[0])
-        eps, plan = seen[-1]
+        eps, plan = planned[-1].call.run_eps, planned[-1].call.backward
         if not on:
             assert plan.use_map and eps == 2.0**-6
         elif guard == "dropped":
@@ -335,5 +320,5 @@ def test_lowered_filter_reaches_the_kernels_and_keeps_the_gradient_accurate(guar
             assert "measured" in plan.reason
             # All 64 rows are sampled: the check's estimate is the filter's whole error (fp32 inputs,
             # so rounding adds nothing), and the chosen filter keeps within it.
-            assert errs[on] <= 1.05 * accuracy.MAX_ERROR + 1e-6, errs
+            assert errs[on] <= 1.05 * filters.MAX_ERROR + 1e-6, errs
     assert errs[True] < 0.25 * errs[False], errs

@@ -15,10 +15,12 @@ import torch
 from conftest_tune import isolated  # noqa: F401
 from optuna.trial import TrialState
 
-from cce_autotune import db, dispatch, tune
+from cce_autotune.configdb import store as db
+from cce_autotune.configdb import dispatch
+from cce_autotune import tuner as tune
 from cce_autotune.variant import BackwardVariant, KernelVariants
 
-SMALL = tune.Problem(B=512, V=32000, D=256)
+SMALL = tune.TuningProblem(B=512, V=32000, D=256)
 
 
 def _url(isolated):
@@ -229,7 +231,7 @@ def test_plan_and_default_hidden():
 def test_study_name_changes_with_template_and_gate():
     a = tune.StudySpec("h200", "backward", SMALL)
     b = tune.StudySpec("h200", "backward", SMALL, gate=tune.Gate(max_grad_error=3e-3))
-    c = tune.StudySpec("h200", "backward", tune.Problem(512, 32000, 256, has_bias=True))
+    c = tune.StudySpec("h200", "backward", tune.TuningProblem(512, 32000, 256, has_bias=True))
     assert len({a.name, b.name, c.name}) == 3
     assert tune.codegen.template_hash("backward")[:10] in a.name
 
@@ -238,7 +240,7 @@ def test_study_name_changes_with_template_and_gate():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_backend_smoke(isolated):
     backend = tune.GPUBackend(warmup_ms=5, rep_ms=10)
-    problem = tune.Problem(B=256, V=4096, D=128)
+    problem = tune.TuningProblem(B=256, V=4096, D=128)
     for kernel in tune.KERNEL_NAMES:
         errors = backend.check(kernel, KernelVariants(), problem)
         assert all(math.isfinite(v) and v < 5e-2 for v in errors.values()), errors
@@ -248,11 +250,11 @@ def test_gpu_backend_smoke(isolated):
 
 def test_seeds_are_measured_first(isolated):
     # The search space's seeds (merged over the default) are measured right after the baseline.
-    from cce_autotune.space import load_space
+    from cce_autotune.tuner.space import load_space
 
     space = load_space("lse_forward")
     assert space.seeds, "the packaged lse_forward space lists seeds"
-    spec = tune.StudySpec("h200", "lse_forward", tune.Problem(B=8192, V=256128, D=2304), n_trials=len(space.seeds) + 3)
+    spec = tune.StudySpec("h200", "lse_forward", tune.TuningProblem(B=8192, V=256128, D=2304), n_trials=len(space.seeds) + 3)
     tune.run_study(spec, tune.FakeBackend(), tune.make_storage(_url(isolated)), seed=0, worker=0, timeout_s=60)
     trials = sorted(_trials(spec, _url(isolated)), key=lambda t: t.number)
     proposed = [t.user_attrs.get("proposed") for t in trials]
@@ -265,7 +267,7 @@ def test_seeds_are_measured_first(isolated):
 
 
 def test_bad_seed_is_refused(tmp_path):
-    from cce_autotune.space import SpaceError, load_space, space_path
+    from cce_autotune.tuner.space import SpaceError, load_space, space_path
 
     text = space_path("indexed_dot").read_text() + "\n  - {block_d: 48}\n"
     p = tmp_path / "indexed_dot.yaml"
@@ -282,13 +284,13 @@ def test_tuning_data_kind_reaches_the_problem_and_the_study_name():
     assert {s.name for s in lm.studies}.isdisjoint(s.name for s in real.studies)
     assert not any("data-" in s.name for s in lm.studies)  # LM-like keeps the names studies had before
     with pytest.raises(ValueError, match="data: 'text' is not one of"):
-        tune.Problem(8192, 50000, 768, data="text")
+        tune.TuningProblem(8192, 50000, 768, data="text")
 
 
 def test_gpu_backend_times_the_training_call_sequence_and_checks_fixed_inputs(monkeypatch):
     # The backend's runner on CPU tensors (through the interpreter): timing moves its own copy of the
     # classifier between calls; the check runs on the fixed inputs its reference was computed on.
-    from cce_autotune import kernels
+    from cce_autotune.strategies.common import RowLayout
     from cce_autotune.data import lm_like
 
     if not torch.cuda.is_available():
@@ -296,11 +298,11 @@ def test_gpu_backend_times_the_training_call_sequence_and_checks_fixed_inputs(mo
     backend = object.__new__(tune.GPUBackend)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     e, c, t = lm_like(48, 96, 32, dtype=torch.float32, device=dev)
-    data = dict(e=e, c=c, t=t, bias=None, softcap=None, rows=kernels.RowLayout.dense(48, 32, dev))
+    data = dict(e=e, c=c, t=t, bias=None, softcap=None, rows=RowLayout.dense(48, 32, dev))
     backend._inputs = lambda problem: data
     small = KernelVariants(backward=BackwardVariant(block_b=16, block_v=32, block_d=16, chunk_v=64))
     fixed = c.clone()
-    fn, leaves = backend._runner("backward", small, tune.Problem(48, 96, 32), training=True)
+    fn, leaves = backend._runner("backward", small, tune.TuningProblem(48, 96, 32), training=True)
     assert leaves[1] is not c and leaves[1].data_ptr() != c.data_ptr()
     before = leaves[1].detach().clone()
     fn()
@@ -309,7 +311,7 @@ def test_gpu_backend_times_the_training_call_sequence_and_checks_fixed_inputs(mo
     fn()
     assert torch.allclose(leaves[1].detach(), before, atol=1e-6)  # and back (alternating)
     assert torch.equal(c, fixed)  # the inputs of the check are untouched
-    fn, leaves = backend._runner("backward", small, tune.Problem(48, 96, 32))
+    fn, leaves = backend._runner("backward", small, tune.TuningProblem(48, 96, 32))
     assert leaves[1].data_ptr() == c.data_ptr()
     fn()
     assert torch.equal(c, fixed) and leaves[1].grad is not None
@@ -330,7 +332,7 @@ def test_plan_time_is_shared_by_weight_after_the_final_retiming():
 def test_a_study_starts_from_the_winner_of_the_neighbouring_bucket(isolated):
     url = _url(isolated)
     a = tune.StudySpec("h200", "indexed_dot", SMALL, n_trials=8)
-    b = tune.StudySpec("h200", "indexed_dot", tune.Problem(B=1024, V=32000, D=256), n_trials=3)
+    b = tune.StudySpec("h200", "indexed_dot", tune.TuningProblem(B=1024, V=32000, D=256), n_trials=3)
     backend = tune.FakeBackend(fail_compile=None, fail_resources=None)
     tune.run_study(a, backend, url)
     done = [t for t in _trials(a, url) if t.state == TrialState.COMPLETE]

@@ -136,7 +136,7 @@ def _covering_variants(kernel, seed=0, max_draws=20000):
     caller sends back whether the variant could be built on this device)."""
     import random
 
-    from cce_autotune.space import SpaceContext, load_space
+    from cce_autotune.tuner.space import SpaceContext, load_space
 
     space = load_space(kernel)
     contexts = [SpaceContext(B=8192, V=V, D=D, elem_bytes=2, smem_limit=232448) for V, D in ((256128, 2304), (128256, 4096))]

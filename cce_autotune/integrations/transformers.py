@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..loss import linear_cross_entropy
+from ..api import linear_cross_entropy
 
 __all__ = ["patch", "unpatch", "FAMILIES"]
 

@@ -1,0 +1,230 @@
+"""What a filter costs in accuracy, measured on a sample of rows: the relative error that skipping a
+backward's negligible tiles puts into dE.
+
+The tile map's bound (:func:`cce_autotune.tile_map.dropped_share`) bounds the softmax *mass* a
+filter drops, not what that mass does to dE: row i loses ``sum_j p_ij C_j`` over its dropped
+columns j, and the rare rows of a trained classifier share a direction, so those terms add up
+instead of cancelling. So the error is measured: :func:`check` takes rows spread over the call,
+recomputes their logits against the whole vocabulary (fp32 results, a vocabulary chunk at a time,
+chunks sized to the cost model's ``check_bytes``), marks the softmax terms in the tiles that the
+live grid of the forward's tile map skips at each candidate filter (:func:`map_dead`: exactly what
+the chunked strategy skips; the tile strategies' own filter may skip a little more where the
+forward's tiles are wider than the backward's), and compares ``||dE_dropped||`` with ``||dE||`` over
+those rows (:func:`filter_errors`). The check costs two (rows x V x D) products per candidate
+measured.
+
+The check also measures a correction (:func:`filter_fit`): the dropped terms of a trained
+classifier's rarely used rows point one way, so the chunked backward can add them back along one
+fitted direction, scaled by each row's softmax mass in the skipped tiles (which its kernel sums).
+A candidate passes on the corrected error when the call can take the correction.
+
+How often it runs, and what is remembered of it, is the planner's business
+(:mod:`cce_autotune.planning.planner`, :mod:`cce_autotune.memory`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
+from ..tile_map import live_grid
+from .filters import GROUP, MAX_ERROR
+
+__all__ = ["check", "filter_errors", "filter_fit", "map_dead", "column_tiles", "sample_rows", "chunk_columns"]
+
+
+def chunk_columns(rows: int, candidates: int, V: int, max_bytes: int) -> int:
+    """Vocabulary columns per chunk of :func:`filter_errors` for ``rows`` sampled rows and
+    ``candidates`` filters: a power of two (256 .. 16,384, at most V rounded up) whose temporaries,
+    about ``rows * columns * (18 + 11 * candidates)`` bytes (the fp32 logits, softmax and gradient,
+    each candidate's masked copy and the 16-bit stack of all of them), stay within ``max_bytes``."""
+    cap = max_bytes
+    per_col = max(1, rows) * (18 + 11 * max(1, candidates))
+    w = 256
+    while w < 16384 and w < V and 2 * w * per_col <= cap:
+        w *= 2
+    return w
+
+
+def sample_rows(n: int, rows: int) -> torch.Tensor:
+    """int64 positions of at most ``rows`` rows evenly spread over ``n``."""
+    return torch.linspace(0, max(0, n - 1), max(1, min(n, rows))).round().long().unique()
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with an fp32 (fp64) result, ``b`` in ``a``'s dtype first (a wider classifier is
+    rounded as the kernels round it); 16-bit operands stay 16-bit (fp32 accumulation) on CUDA."""
+    b = b.to(a.dtype)
+    if a.dtype == torch.float32 or a.dtype == torch.float64:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # an older PyTorch: no out_dtype
+            pass
+    return a.float() @ b.float()
+
+
+def column_tiles(V: int, block_v: int, perm: torch.Tensor | None, device) -> torch.Tensor:
+    """(V,) int64: the backward tile of each vocabulary entry when it walks ``perm`` (position p is
+    entry perm[p]; None: the natural order)."""
+    if perm is None:
+        return torch.arange(V, device=device) // block_v
+    tile = torch.empty(V, dtype=torch.long, device=device)
+    tile[perm.long()] = torch.arange(V, device=device) // block_v
+    return tile
+
+
+def map_dead(tmap, lse: torch.Tensor, rows: torch.Tensor, eps_list, V: int, block_b: int, block_v: int) -> torch.Tensor:
+    """(len(eps_list), len(rows), tiles) bool: the tiles of the backward's tiling that the live grid
+    of the forward's tile map skips, for the rows at positions ``rows`` (any rows: the grid is per
+    row block), per candidate filter. ``lse``: every row's (infinite where ignored)."""
+    blocks = rows // block_b
+    return torch.stack([~live_grid(tmap, lse, float(eps), V, block_b, block_v)[blocks] for eps in eps_list])
+
+
+def _probs(e_rows, c, bias, softcap, lse_f, w, v0, v1):
+    """Softmax values (rows x columns v0..v1, fp32 or fp64) and tanh(z / softcap) or None."""
+    z = _mm32(e_rows, c[v0:v1].T)
+    if bias is not None:
+        z = z + bias[v0:v1].to(z.dtype)
+    t = None
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = softcap * t
+    return torch.exp(z - lse_f[:, None]) * w[:, None], t
+
+
+def _weights(lse: torch.Tensor):
+    lse = lse.float() if lse.dtype != torch.float64 else lse
+    w = torch.isfinite(lse).to(lse.dtype)  # rows with a gradient
+    return torch.where(w > 0, lse, torch.zeros_like(lse)), w
+
+
+def filter_errors(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                  lse: torch.Tensor, softcap: float | None, col_tile: torch.Tensor, dead: torch.Tensor,
+                  coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None,
+                  chunk_v: int = 8192) -> torch.Tensor:
+    """(m,) fp32 on the rows' device: for each of ``dead``'s m candidates, the relative L2 error that
+    dropping the softmax terms of its dead tiles puts into the sampled rows' dE.
+
+    ``e_rows`` (S, D), ``targets``, ``lse`` (S,): the sampled rows (an infinite LSE marks a row
+    without gradient); ``col_tile`` (V,): each vocabulary entry's tile (:func:`column_tiles`);
+    ``dead`` (m, S, tiles) bool: e.g. :func:`map_dead`; ``coef_s``, ``coef_t`` (S,): the rows'
+    gradient coefficients, ``g = coef_s * softmax - coef_t * onehot`` (token weights, reduction,
+    z-loss, label smoothing; default 1). A target's onehot term is never dropped (the kernels add it
+    outside a skipped tile). ``chunk_v``: vocabulary columns per step (:func:`chunk_columns`)."""
+    return filter_fit(e_rows, c, bias, targets, lse, softcap, col_tile, dead, coef_s, coef_t, chunk_v)[0]
+
+
+def filter_fit(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+               lse: torch.Tensor, softcap: float | None, col_tile: torch.Tensor, dead: torch.Tensor,
+               coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None,
+               chunk_v: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(raw, corrected, direction)`` for the arguments of :func:`filter_errors`: ``raw`` (m,) its
+    errors; ``corrected`` (m,) the errors left when the dropped terms of row i are replaced by
+    ``a_i * direction``, ``a_i = coef_s[i] * (row i's softmax mass in the dead tiles)`` (what the
+    chunked backward adds with ``dead_dir``); ``direction`` (m, D) fp32, fitted by least squares on
+    all the sampled rows. ``corrected`` is measured out of sample: the rows at even sample positions
+    are corrected with the direction fitted on the odd ones, and the reverse.
+
+    Why one direction: a trained classifier's rarely used rows move together (every step pushes
+    them along the mean hidden state), so the terms that a filter drops, ``sum_j p_ij C_j`` over
+    those rows, point one way."""
+    S, D = e_rows.shape
+    V = c.shape[0]
+    m = dead.shape[0]
+    lse_f, w = _weights(lse)
+    ws = w if coef_s is None else w * coef_s.to(w.dtype)
+    wt = w if coef_t is None else w * coef_t.to(w.dtype)
+    out = torch.zeros(((m + 1) * S, D), dtype=torch.float32, device=e_rows.device)
+    mass = torch.zeros((m, S), dtype=torch.float32, device=e_rows.device)
+    for v0 in range(0, V, chunk_v):
+        v1 = min(V, v0 + chunk_v)
+        p, t = _probs(e_rows, c, bias, softcap, lse_f, ws, v0, v1)
+        d = dead.gather(2, col_tile[v0:v1].expand(m, S, -1))  # (m, S, columns)
+        mass += torch.where(d, p[None], 0.0).sum(2, dtype=torch.float32)  # before the softcap derivative
+        if t is not None:
+            p = p * (1 - t * t)
+        at = (targets - v0).clamp(0, v1 - v0 - 1).long()[:, None]
+        hit = ((targets >= v0) & (targets < v1)).to(p.dtype) * wt
+        if t is not None:
+            hit = hit * (1 - t.gather(1, at).squeeze(1) ** 2)
+        g = p.scatter_add(1, at, -hit[:, None])  # the whole gradient: softmax minus onehot
+        stack = torch.cat([g[None], torch.where(d, p[None], 0.0)]).view((m + 1) * S, v1 - v0)
+        out += _mm32(stack.to(e_rows.dtype), c[v0:v1])
+        del p, g, d, stack
+    out = out.view(m + 1, S, D)
+    whole = out[0].norm().clamp_min(1e-30)
+    drop = out[1:]
+    raw = drop.reshape(m, -1).norm(dim=1) / whole
+
+    def fit(rows):  # least squares: argmin_u sum_i ||drop_i - a_i u||^2
+        a = mass[:, rows]
+        return (a[:, :, None] * drop[:, rows]).sum(1) / (a * a).sum(1).clamp_min(1e-30)[:, None]
+
+    idx = torch.arange(S, device=e_rows.device)
+    even, odd = idx[0::2], idx[1::2]
+    left = torch.zeros(m, dtype=torch.float32, device=e_rows.device)
+    for mine, other in ((even, odd), (odd, even)):
+        u = fit(other)
+        left += (drop[:, mine] - mass[:, mine, None] * u[:, None, :]).pow(2).sum((1, 2))
+    return raw, left.sqrt() / whole, fit(idx)
+
+
+def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+          softcap, tmap, block_b: int, block_v: int, candidates, *, sample: int, max_bytes: int,
+          coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None, correctable: bool = False,
+          admissible=None, max_error: float = MAX_ERROR, group: int = GROUP) -> tuple:
+    """``(index, measured, direction)``: the position in ``candidates`` (filters, largest first) of the
+    first whose measured dE error on this call stays within ``max_error``, or None (none does: run
+    exact), for a backward that launches from the forward's tile map ``tmap``; ``measured``: the
+    ``(candidate, error, corrected)`` triples measured. The candidates are measured lazily: the
+    first alone, then ``group`` at a time, until one passes.
+
+    ``correctable``: the backward can take the dead-tile correction (see :func:`filter_fit`). A
+    candidate's error is then the corrected one where that is smaller, and ``direction`` (D,) fp32 is
+    the correction's direction when the chosen candidate needs it (else None: the plain filter).
+    ``admissible(filter_eps) -> bool``: whether a candidate may run at all (the planner's
+    dropped-mass guard); one that may not is not measured and does not pass, so that the filter that
+    runs drops what the check measured (and the direction was fitted to).
+
+    ``e`` (any shape, rows of D), ``rows`` (n,): the row of e of each position; ``targets``,
+    ``lse`` (n,): every position's (the LSE infinite where ignored); ``coef_s``, ``coef_t`` (n,):
+    the gradient's coefficients (see :func:`filter_errors`); ``sample``: rows measured (spread over
+    the call); ``max_bytes``: the check's transient memory."""
+    cands = list(candidates)
+    measured = []
+    n, V = rows.shape[0], c.shape[0]
+    idx = sample_rows(n, sample).to(rows.device)
+    e_rows = e.reshape(-1, e.shape[-1])[rows[idx]]
+    tile = column_tiles(V, block_v, tmap.perm, e.device)
+    t_s, lse_s = targets[idx], lse[idx]
+    cs = coef_s[idx] if coef_s is not None else None
+    ct = coef_t[idx] if coef_t is not None else None
+
+    def errors(eps_list):  # [(error, direction or None)] per candidate
+        dead = map_dead(tmap, lse, idx, eps_list, V, block_b, block_v)
+        width = chunk_columns(e_rows.shape[0], len(eps_list), V, max_bytes)
+        raw, corr, dirs = filter_fit(e_rows, c, bias, t_s, lse_s, softcap, tile, dead, cs, ct, width)
+        out = []
+        for k, (x, y) in enumerate(zip(raw.tolist(), corr.tolist())):
+            fix = correctable and y < x
+            out.append((y if fix else x, dirs[k] if fix else None))
+            measured.append((eps_list[k], out[-1][0], fix))
+        return out
+
+    start = 0
+    for size in (1, *(group,) * len(cands)):  # the first candidate, then ``group`` at a time
+        part = cands[start:start + size]
+        if not part:
+            break
+        res = [(math.inf, None)] * len(part)  # a candidate the guard would lower does not pass
+        allowed = [i for i, x in enumerate(part) if admissible is None or admissible(x)]
+        for i, r in zip(allowed, errors([part[i] for i in allowed]) if allowed else ()):
+            res[i] = r
+        passed = [i for i, (x, _) in enumerate(res) if x <= max_error]
+        if passed:
+            return start + passed[0], tuple(measured), res[passed[0]][1]
+        start += size
+    return None, tuple(measured), None

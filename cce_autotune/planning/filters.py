@@ -1,0 +1,33 @@
+"""The one ladder of filters: the candidates below a call's ``filter_eps`` that the planner may lower
+it to, and the accuracy bound they are held to.
+
+Two measurements walk the ladder, both in :func:`cce_autotune.planning.planner.plan_backward` (the one
+place that lowers a filter): the accuracy check (:mod:`cce_autotune.planning.accuracy`) measures the
+dE error of the rungs in :data:`CHECK_RUNGS` and takes the first within :data:`MAX_ERROR`; the
+dropped-mass guard steps down :data:`GUARD_RUNGS` from the filter it is given while the tile map's
+bound says too much of the gradient's mass would be dropped.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LADDER", "CHECK_RUNGS", "GUARD_RUNGS", "MAX_ERROR", "GROUP", "ladder"]
+
+# Factors of the call's filter, largest first. Fine near the call's own filter: on real data the
+# error falls fast over a few halvings while the live share, and so the backward's cost, climbs.
+LADDER = (1.0, 2.0**-1, 2.0**-2, 2.0**-3, 2.0**-4, 2.0**-6, 2.0**-8)
+# The rungs the accuracy check may choose (all of them).
+CHECK_RUNGS = (0, 1, 2, 3, 4, 5, 6)
+# The dropped-mass guard's steps below the filter it starts from: x1, x2^-4, x2^-8.
+GUARD_RUNGS = (0, 4, 6)
+# The largest estimated relative dE error a filter may cause. The gate the tuner applies to the
+# whole dE is 1e-2; 16-bit rounding adds about 2e-3 (exact mode), in quadrature, and the sample's
+# noise stays within about 20 %.
+MAX_ERROR = 7e-3
+# Candidates the check measures together after the call's own filter failed (each group's logits
+# recomputed once).
+GROUP = 3
+
+
+def ladder(filter_eps: float, rungs) -> list:
+    """The candidate filters ``filter_eps * LADDER[r]`` for each rung ``r`` in ``rungs``, in order."""
+    return [filter_eps * LADDER[r] for r in rungs]

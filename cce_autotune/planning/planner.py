@@ -1,0 +1,443 @@
+"""How one call runs, and why: every decision about a call is made here, into one
+:class:`~cce_autotune.plans.CallPlan`; :mod:`cce_autotune.runtime.execute` runs it and decides nothing.
+
+A call is planned in three steps, as what they need becomes known:
+
+1. :func:`plan_call` (the call's options, its kernel variants, the device): PyTorch or the kernels,
+   the filter, determinism;
+2. :func:`plan_forward` (and what :mod:`cce_autotune.memory` remembers of the classifier): whether
+   the forward walks a remembered vocabulary order and records the tile map, or computes the
+   gradients itself (the fused strategy), and whether an fp32 classifier is converted whole;
+3. :func:`plan_gradients` (the forward's tile map, the gradient's coefficients): the filter the
+   backward applies (the accuracy check of :mod:`~cce_autotune.planning.accuracy` and the
+   dropped-mass guard, both walking :mod:`~cce_autotune.planning.filters`' ladder), the strategy and
+   its sizes (:func:`plan_backward`), the dead-tile correction, and whether the classifier pauses.
+
+The planner weighs, for the call at hand, the live share the forward's tile map measures, a cost
+model of each strategy in units of one matmul of the shape (2·n·V·D flops) with coefficients per GPU
+(:mod:`~cce_autotune.planning.costs`, handed in by the caller), and the memory budget
+(:mod:`~cce_autotune.planning.budget`). The fastest strategy that fits is taken; when none fits, the
+smallest. The strategies and their formulas are those of :mod:`cce_autotune.strategies`.
+
+``$CCE_AUTOTUNE_EXPLAIN=1`` prints each new plan (:mod:`~cce_autotune.planning.explain`);
+``cce-tune explain`` prints the plans of a shape for given live shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .. import memory, strategies
+from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
+from ..codegen import interpreting
+from ..plans import BackwardPlan, CallPlan, CallProblem, ForwardPlan
+from ..strategies.base import PlanContext, mm_ms
+from ..strategies.forward import convert_width
+from ..tile_map import dropped_share, live_grid
+from . import accuracy, explain, filters
+from .budget import memory_budget
+
+__all__ = ["choose_impl", "plan_call", "plan_forward", "plan_gradients", "plan_backward", "plan_fused",
+           "fused_allowed", "records_map", "check_filter", "decide", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
+
+
+# -- 1. the call ----------------------------------------------------------------------------------
+def choose_impl(o, device) -> str:
+    """"triton" (the kernels) or "torch" (the chunked PyTorch path) for options ``o`` on ``device``."""
+    impl = o.impl
+    if impl == "auto":
+        impl = "triton" if device.type == "cuda" else "torch"
+    elif impl == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"impl: 'triton' needs CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run the "
+            "kernels on the CPU through Triton's interpreter, or use impl='torch'"
+        )
+    if o.label_smoothing and o.softcap is not None:
+        # The smoothing term's gradient through the softcap is not uniform across the vocabulary:
+        # the kernels' outside rank-one term cannot carry it. The chunked PyTorch path does.
+        impl = "torch"
+    return impl
+
+
+def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = None, costs=None,
+              wider_classifier: bool = False) -> CallPlan:
+    """The call's first plan: ``variants`` as the kernels run them (``dispatched``: they come from
+    the tuned-config database, not from the caller), the filter, determinism; on the kernels' path
+    (``p`` and ``costs`` given), how an fp32 classifier with 16-bit e (``wider_classifier``) is
+    converted: whole, once, when the copy fits one conversion chunk (then every strategy runs as for a
+    16-bit classifier), else a chunk or window at a time inside the kernel launches."""
+    kv = variants
+    eps = None
+    forward = ForwardPlan()
+    if kv is not None:
+        eps = kv.backward.filter_eps if o.filter_eps == "auto" else o.filter_eps
+        if dispatched and kv.backward.strategy != "auto":
+            # A tuned entry's strategy was measured on the tuner's data; which strategy runs is the
+            # planner's choice for each call, from the live share it measures and the memory budget.
+            kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
+        if o.deterministic and impl == "triton":
+            # LSE splits merged through a buffer (not under locks in arrival order); the backward's
+            # strategy one whose sums use no float atomics.
+            kv = kv.replace(lse_forward=kv.lse_forward.replace(merge="buffer"))
+            if kv.backward.strategy != "auto" and not strategies.get(kv.backward.strategy).deterministic:
+                kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
+        if p is not None:
+            forward = ForwardPlan(
+                convert_classifier=_converts(p, costs, wider_classifier),
+                convert_chunk=convert_width(p.V, p.D, kv.lse_forward.block_v, p.elem, costs.convert_bytes))
+    return CallPlan(impl=impl, variants=kv, filter_eps=eps, deterministic=bool(o.deterministic), forward=forward,
+                    costs=costs)
+
+
+def _converts(p: CallProblem, costs, wider_classifier: bool) -> bool:
+    return wider_classifier and p.V * p.D * p.elem <= costs.convert_bytes
+
+
+def fused_allowed(o, plan: CallPlan, wider_classifier: bool) -> bool:
+    """Whether the call's loss lets the gradients be computed in the forward for a unit incoming
+    gradient with one coefficient per row for the softmax and the onehot: "mean" or "sum", not the
+    returned LSE's gradient (it would reach the backward only), no label smoothing or z-loss, and a
+    classifier the kernels read in e's dtype (an fp32 one only when it is converted whole: else its
+    cuBLAS logits would need a whole converted copy of C)."""
+    return (o.reduction in ("mean", "sum") and not o.return_lse and not o.label_smoothing and not o.z_loss
+            and (not wider_classifier or plan.forward.convert_classifier))
+
+
+def records_map(variant, filter_eps) -> bool:
+    """Whether a call filtering at ``filter_eps`` has the forward walk a sorted order and record the
+    tile map for ``variant`` (the strategy it asks for must be able to launch from it)."""
+    return (variant.tile_map and variant.sort_vocab and filter_eps is not None
+            and (variant.strategy == "auto" or strategies.get(variant.strategy).uses_map(variant)))
+
+
+# -- 2. the forward -------------------------------------------------------------------------------
+def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, fused_allowed: bool,
+                 dense_rows: bool, max_extra_memory="auto") -> CallPlan:
+    """The forward's part of ``plan`` (made by :func:`plan_call`) for classifier ``c`` (its memory is
+    read and, for a pause, counted down): ``fused_allowed``: the call's loss and classifier let the
+    gradients be computed in the forward (see :func:`fused_allowed`)."""
+    kv = plan.variants
+    bw = kv.backward
+    eps = plan.filter_eps
+    sort = needs_grad and bw.sort_vocab and eps is not None and p.n > 0
+    # With the tile map, the forward walks the order a previous backward left for this classifier
+    # and records where the live tiles are; when that backward found that filtering cannot pay, the
+    # classifier is paused and the gradients may be computed right here instead.
+    walk, paused = None, False
+    if sort and records_map(bw, eps):
+        paused = memory.take_pause(c)
+        if not paused:
+            walk = memory.order(c)
+    fused = None
+    asks_forward = bw.strategy != "auto" and strategies.get(bw.strategy).in_forward
+    if needs_grad and p.n > 0 and (paused or asks_forward):
+        fused = plan_fused(p, bw, paused=paused, dense_rows=dense_rows, allowed=fused_allowed,
+                           max_extra_memory=max_extra_memory, costs=costs)
+    if fused is not None or paused:
+        sort = False  # (paused: the planner found filtering cannot pay for this classifier now)
+    forward = replace(plan.forward, walk=walk if fused is None else None, sort=sort,
+                      remember_order=sort and bw.tile_map, fused=fused, paused=paused)
+    out = replace(plan, forward=forward)
+    if fused is not None:
+        explain.report(fused, p, call=out)
+    return out
+
+
+def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, dense_rows: bool = True,
+               max_extra_memory="auto", costs) -> BackwardPlan | None:
+    """The plan of gradients computed in the forward when it is the one to run, else None (the
+    forward computes the LSE and the backward is planned when it runs).
+
+    The forward must decide before any tile map exists, so it goes by what the previous call of the
+    classifier found: ``paused`` (filtering could not pay: most tiles live) or a variant that asks
+    for an in-forward strategy. ``allowed``: the call's loss permits it. The strategy must fit the
+    budget with blocks of at least the cost model's ``fused_min_rows`` rows (or all rows) and beat
+    the forward plus the exact backward by the cost model, unless the variant asks for it."""
+    if not allowed:
+        return None
+    if variant.strategy != "auto":
+        chosen = strategies.get(variant.strategy)
+        if not chosen.in_forward:
+            return None
+        forced = True
+    elif paused:
+        chosen = next((s for s in strategies.all_strategies() if s.in_forward), None)
+        forced = False
+        if chosen is None:
+            return None
+    else:
+        return None
+    budget = memory_budget(max_extra_memory, p.grad_bytes, 4 * p.n_all * p.D)
+    opt = chosen.forward_option(p, costs, budget, dense_rows, forced=forced)
+    if opt is None:
+        return None
+    other = costs.forward + exact_cost(p, variant, budget, costs)
+    if opt.cost >= other and not forced:
+        return None
+    why = "the variant asks for it" if forced else (
+        "the previous call of this classifier found most tiles live; no recompute beats the forward plus "
+        f"an exact backward (est {other:.2f} mm)")
+    return BackwardPlan(strategy=chosen.name, use_map=False, row_block=opt.sizes["row_block"], cost=opt.cost,
+                        extra_bytes=opt.extra_bytes, budget=budget, reason=why)
+
+
+# -- 3. the gradients ----------------------------------------------------------------------------
+@dataclass
+class Evidence:
+    """What the backward knows when it plans: the inputs, the rows taking part and their targets, the
+    LSE (infinite where a row has no gradient), the forward's tile map (None: the forward walked no
+    order), and the gradient's coefficients (``coef_s`` of the softmax, ``coef_t`` of the onehot)."""
+
+    e: Any
+    c: Any
+    bias: Any
+    rows: Any
+    targets: Any
+    lse: Any
+    softcap: float | None
+    tile_map: Any
+    coef_s: Any
+    coef_t: Any
+
+
+def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused_allowed: bool,
+                   max_extra_memory="auto") -> CallPlan:
+    """The backward's part of ``plan``: the filter it applies, the strategy and its sizes, the
+    correction, the pause (written to the classifier's memory)."""
+    kv = plan.variants
+    bw = kv.backward
+    c = ev.c
+    tmap = ev.tile_map
+    eps = plan.filter_eps
+    measured = direction = None
+    checked: tuple = ()
+    if tmap is not None and eps is not None:
+        correctable = (bw.strategy == "auto" or strategies.get(bw.strategy).takes_correction) \
+            and not plan.deterministic
+        eps, checked, direction = check_filter(
+            ev, eps, bw.block_b, bw.block_v, costs, correctable=correctable,
+            admissible=lambda x: float(dropped_share(tmap, ev.lse, x)) <= costs.max_dropped)  # (one host copy each)
+        explain.report_check(p, checked, filters.MAX_ERROR)
+        if eps != plan.filter_eps:
+            measured = (f"filter_eps lowered to {eps:.2g} by the measured dE error (at most {filters.MAX_ERROR:g})"
+                        if eps is not None else
+                        f"every filter_eps down to {filters.ladder(plan.filter_eps, filters.CHECK_RUNGS)[-1]:.2g} "
+                        f"costs dE more than {filters.MAX_ERROR:g} (measured): exact")
+        if direction is not None:
+            measured = (measured + "; " if measured else "") + "the dead-tile correction (measured)"
+    budget = memory_budget(max_extra_memory, p.grad_bytes, 4 * p.n_all * p.D)
+    chosen, live, blocks, pause, reported = decide(p, bw, eps, tmap, ev.lse, budget=budget, costs=costs,
+                                                   fused_allowed=fused_allowed, deterministic=plan.deterministic,
+                                                   why=measured, correction=direction is not None)
+    measured_exact = measured is not None and eps is None
+    if measured_exact:
+        pause = True  # the forward stops walking and mapping until the next check
+    pause_calls = 0
+    if pause:
+        pause_calls = costs.check_every if measured_exact else costs.pause_calls
+        memory.pause(c, pause_calls)
+        eps = None  # the plan for this call filters nothing either
+    elif chosen.filter_eps is not None:
+        eps = chosen.filter_eps  # lowered by the dropped-mass guard
+    strategy = strategies.get(chosen.strategy)
+    if chosen.use_map:
+        order = "map"  # the live grid is in the order the forward walked
+    elif strategy.skips_without_map and plan.forward.sort:
+        order = "sorted"  # the kernel's own filter skips more in a sorted order
+    else:
+        order = "natural"
+    # The correction was fitted to what the checked filter drops: not where the guard lowered it.
+    correction = direction if chosen.use_map and strategy.takes_correction and chosen.filter_eps is None else None
+    out = replace(plan, backward=chosen, run_eps=eps, order=order, correction=correction, live=live, blocks=blocks,
+                  pause=pause_calls, checked=checked)
+    explain.report(chosen, p, reported, call=out)
+    return out
+
+
+def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, costs, *, correctable: bool = False,
+                 rungs=None, admissible=None) -> tuple:
+    """``(filter_eps, measured, direction)``: the filter the accuracy check chooses on the ladder below
+    ``filter_eps`` (the rungs :data:`~cce_autotune.planning.filters.CHECK_RUNGS`, or ``rungs``) for a
+    backward of (``block_b`` x ``block_v``) tiles that launches from ``ev.tile_map`` (None: even the
+    smallest costs too much, run exact); what it measured this call (nothing when the classifier's
+    remembered verdict applies: it is measured on a classifier's first mapped call and then every
+    ``costs.check_every`` calls); the dead-tile correction's direction when the chosen filter needs it
+    and ``correctable`` says the call can take it (else None). ``admissible(filter_eps) -> bool``: the
+    candidates that may run at all (the dropped-mass guard), None: all."""
+    if not filters.MAX_ERROR < float("inf"):
+        return filter_eps, (), None
+    cands = filters.ladder(filter_eps, filters.CHECK_RUNGS if rungs is None else rungs)
+    hit = memory.verdict(ev.c, filter_eps, correctable)
+    if hit is not None:
+        return cands[hit[0]], (), hit[1]
+    index, measured, direction = accuracy.check(
+        ev.e, ev.c, ev.bias, ev.rows, ev.targets, ev.lse, ev.softcap, ev.tile_map, block_b, block_v, cands,
+        sample=costs.check_rows, max_bytes=costs.check_bytes, coef_s=ev.coef_s, coef_t=ev.coef_t,
+        correctable=correctable, admissible=admissible, max_error=filters.MAX_ERROR, group=filters.GROUP)
+    if index is None:  # (an exact verdict is not remembered: the classifier pauses instead)
+        return None, measured, None
+    memory.remember_verdict(ev.c, filter_eps, index, costs.check_every, direction)
+    return cands[index], measured, direction
+
+
+def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | None, costs,
+           fused_allowed: bool = False, deterministic: bool = False, why: str | None = None,
+           correction: bool = False) -> tuple:
+    """``(plan, live, blocks, pause, checked)`` of a call's backward, measured.
+
+    With the forward's ``tile_map`` (and filtering), the live grid is built on the device, each
+    strategy's live blocks are derived from it, and all reach the host in one copy; the dropped-mass
+    guard lowers the filter down :data:`~cce_autotune.planning.filters.GUARD_RUNGS` while the map's
+    bound says it drops more than the cost model's ``max_dropped`` of the gradient's mass (past the
+    last rung the call runs exact and pauses). ``pause``: filtering cannot pay for this classifier
+    now: the forward and a mapped backward cost about as much as the best plan that filters nothing
+    (the fused one where ``fused_allowed``), so this call runs that exact plan too. ``why``: how the
+    accuracy check chose ``filter_eps``, put before the plan's reason; ``correction``: a filtering
+    plan must take the dead-tile correction. ``checked``: the text the plan is reported with."""
+    exact = filter_eps is None
+    live = None
+    share = None
+    block_lists: dict = {}
+    block_shares: dict = {}
+    eps, lossy = filter_eps, None
+    if tile_map is not None and not exact and p.n > 0:
+        ctx = PlanContext(problem=p, variant=variant, costs=costs, budget=budget, use_map=True, live=1.0,
+                          live_blocks=1.0, n_live=0, fixed=0.0, exact=False)
+        for eps in filters.ladder(filter_eps, filters.GUARD_RUNGS):
+            live = live_grid(tile_map, lse, eps, p.V, variant.block_b, variant.block_v)
+            grids = [(s.name, g) for s in strategies.all_strategies() if (g := s.blocks(live, ctx)) is not None]
+            dropped = dropped_share(tile_map, lse, eps)
+            host = torch.cat([dropped.view(1).double(), live.sum().view(1).double(),
+                              *(g.double() for _, g in grids)]).tolist()  # one copy
+            if host[0] <= costs.max_dropped:
+                break
+        else:
+            lossy = host[0]
+        share = host[1] / max(1, live.numel())
+        at = 2
+        for name, g in grids:
+            flags = [bool(x) for x in host[at:at + g.numel()]]
+            at += g.numel()
+            block_lists[name] = flags
+            block_shares[name] = sum(flags) / max(1, len(flags))
+    if lossy is not None:  # even the smallest filter drops too much of this call's gradient: exact
+        plan = plan_backward(p, variant, has_map=False, budget=budget, costs=costs, exact=True,
+                             deterministic=deterministic)
+        plan = replace(plan, reason=f"filtering would drop {lossy:.1e} of the gradient's mass even at filter_eps "
+                                    f"{eps:.2g} (at most {costs.max_dropped:g}): exact; " + plan.reason)
+        return plan, None, None, True, ""
+    plan = plan_backward(p, variant, has_map=tile_map is not None, live=share, live_blocks=block_shares,
+                         budget=budget, costs=costs, exact=exact, deterministic=deterministic, correction=correction)
+    if eps != filter_eps:
+        plan = replace(plan, filter_eps=eps, reason=f"filter_eps lowered to {eps:.2g} (at {filter_eps:.2g} the filter "
+                                                    f"would drop more than {costs.max_dropped:g} of the gradient's "
+                                                    "mass); " + plan.reason)
+    if eps != filter_eps and correction:  # (the correction applies only at the checked filter)
+        plan = replace(plan, reason="no dead-tile correction at the lowered filter; " + plan.reason)
+    if why:
+        plan = replace(plan, reason=why + "; " + plan.reason)
+    pause = False
+    if plan.use_map and variant.strategy == "auto":
+        pause = costs.forward + plan.cost >= costs.pause_share * unfiltered_cost(p, variant, budget, costs, fused_allowed)
+        if pause:  # this call too: the map showed that filtering would save nothing, and cost accuracy
+            plan = plan_backward(p, variant, has_map=False, budget=budget, costs=costs, exact=True,
+                                 deterministic=deterministic)
+            plan = replace(plan, reason=f"filtering cannot pay (live tiles {share:.1%}): exact; " + plan.reason)
+    if not plan.use_map:
+        live, blocks = None, None
+    else:
+        blocks = block_lists.get(plan.strategy)
+    return plan, live, blocks, pause, why or ""
+
+
+# -- the choice of a strategy --------------------------------------------------------------------
+def plan_backward(p: CallProblem, variant, *, has_map: bool, live: float | None = None, live_blocks=None,
+                  budget: int | None = None, costs, exact: bool = False, deterministic: bool = False,
+                  correction: bool = False) -> BackwardPlan:
+    """The strategy and sizes for one backward, given the live shares.
+
+    ``variant``: the call's :class:`~cce_autotune.variant.BackwardVariant` (block sizes, chunk_v, and
+    its ``strategy``: "auto" lets the planner choose; another value is honoured when it fits the
+    budget). ``has_map``: the forward recorded a tile map; ``live``: the live-tile share it
+    measured; ``live_blocks``: the share of each strategy's blocks that hold a live tile (a mapping
+    by strategy name, or one share for all; None: all live). ``deterministic``: only strategies whose
+    sums use no float atomics (the same bits every run). ``correction``: only strategies that take
+    the dead-tile correction (a filter that needs it runs there)."""
+    bb, bv = variant.block_b, variant.block_v
+    n_tiles = -(-p.n // bb) * -(-p.V // bv)
+    use_map = has_map and live is not None and not exact
+    L = live if use_map else 1.0
+    n_live = int(round(L * n_tiles))
+    fixed = costs.map_ms / mm_ms(p, costs) if use_map else 0.0
+    options = {}
+    for s in strategies.all_strategies():
+        if s.in_forward:
+            continue
+        share = live_blocks.get(s.name) if isinstance(live_blocks, dict) else live_blocks
+        ctx = PlanContext(problem=p, variant=variant, costs=costs, budget=budget, use_map=use_map, live=L,
+                          live_blocks=float(share) if use_map and share is not None else 1.0, n_live=n_live,
+                          fixed=fixed, exact=exact)
+        opt = s.option(ctx)
+        if opt is not None:
+            options[s.name] = opt
+    if deterministic:
+        options = {k: o for k, o in options.items() if strategies.get(k).deterministic}
+    if correction:
+        options = {k: o for k, o in options.items() if strategies.get(k).takes_correction}
+    fits = {k: o for k, o in options.items() if budget is None or o.extra_bytes <= budget}
+    requested = variant.strategy
+    if requested != "auto" and requested in fits:
+        choice, why = requested, "the variant asks for it"
+    elif fits:
+        choice = min(fits, key=lambda k: fits[k].cost)
+        why = "fastest estimate" + (" within the memory budget" if len(fits) < len(options) else "")
+        if deterministic:
+            why = "deterministic: the strategy without float atomics"
+        elif correction:
+            why = "the strategy of the dead-tile correction"
+        if requested != "auto":
+            why += f" ({requested} " + ("cannot run for this call" if requested not in options else "exceeds the budget") + ")"
+    else:
+        choice = min(options, key=lambda k: options[k].extra_bytes)
+        why = "nothing fits the memory budget: the smallest"
+    alternatives = []
+    for k, o in sorted(options.items(), key=lambda kv: kv[1].cost):
+        if k != choice:
+            alternatives.append((k, o.cost, o.extra_bytes, "" if k in fits else "exceeds the budget"))
+    opt = options[choice]
+    sizes = opt.sizes
+    return BackwardPlan(
+        strategy=choice, use_map=opt.use_map, chunk_v=sizes.get("chunk_v", 0), row_group=sizes.get("row_group", 0),
+        de_fp32=sizes.get("de_fp32", True), window_v=sizes.get("window_v", 0), live=live if use_map else None,
+        live_chunks=sizes.get("live_chunks"), cost=opt.cost, extra_bytes=opt.extra_bytes, budget=budget, reason=why,
+        alternatives=tuple(alternatives),
+    )
+
+
+def exact_cost(p: CallProblem, variant, budget: int | None, costs) -> float:
+    """Estimated cost of the best backward that computes every tile (no map, natural order)."""
+    natural = replace(p, sorted_vocab=False, map_bytes=0)
+    return plan_backward(natural, variant.replace(strategy="auto"), has_map=False, budget=budget, costs=costs,
+                         exact=True).cost
+
+
+def unfiltered_cost(p: CallProblem, variant, budget: int | None, costs, fused_allowed: bool) -> float:
+    """Estimated forward + backward of the best plan that filters nothing: the forward and the
+    exact backward, or a strategy that computes the gradients in the forward where it may run."""
+    best = costs.forward + exact_cost(p, variant, budget, costs)
+    if fused_allowed:
+        for s in strategies.all_strategies():
+            if s.in_forward:
+                opt = s.forward_option(p, costs, budget)
+                if opt is not None:
+                    best = min(best, opt.cost)
+    return best
+
+
+def default_strategy() -> str:
+    """What ``strategy="auto"`` renders as when no live share is known (``cce-tune render``): the
+    first of :data:`cce_autotune.strategies.TABLE` (the chunked strategy, which is never far from
+    the best and needs no V x D scratch)."""
+    return strategies.names()[0]
+

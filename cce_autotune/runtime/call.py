@@ -1,0 +1,166 @@
+"""One call's tensors, as the kernels and the PyTorch path see them: which rows of E take part, their
+targets and token weights, how the kernels address them, and the gradient's per-row coefficients.
+
+Every predicting position takes part (ignored ones are masked, not compacted out), so that no shape
+depends on the targets' values and the forward needs no device-to-host copy before its main kernel.
+
+The per-row loss: ``l_i = lse_i - (1 - ls) * z_i,t - ls * mean_j z_ij + zl * lse_i**2`` (``ls``:
+label smoothing, ``zl``: the z-loss coefficient), weighted by the token weight ``w_i``; "mean" divides
+the weighted sum by the sum of the non-ignored positions' weights. Its gradient with respect to row
+i's logits is ``softmax * coef_s - onehot * coef_t - coef_u`` (times the softcap derivative): the
+kernels take ``coef_s`` and ``coef_t``; the uniform ``coef_u`` term adds rank-one products outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..options import Options
+from ..plans import CallProblem
+from ..strategies.common import RowLayout
+
+__all__ = ["Call", "prepare", "pred_shape"]
+
+
+@dataclass
+class Call:
+    """Everything about one call that is not a differentiable tensor."""
+
+    impl: str  # "triton" | "torch"
+    options: Options
+    pred_shape: torch.Size  # shape of the predicted targets (targets[..., shift:])
+    valid: torch.Tensor  # (n,) bool: the position's target is not ignore_index
+    weights: torch.Tensor  # (n,) fp32: the token weight of each position, 0 where ignored
+    rows: torch.Tensor  # row index of each predicting position in e.reshape(-1, D)
+    layout: RowLayout | None  # how the kernels address those rows (Triton path)
+    targets: torch.Tensor  # (n,) int64 target of each position; 0 where ignored or out of range
+    raw_targets: torch.Tensor  # (n,) the targets as given (for the range check)
+    V: int
+    has_token_weights: bool = False
+
+    @property
+    def n_rows(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def softcap(self) -> float | None:
+        return self.options.softcap
+
+    @property
+    def reduction(self) -> str:
+        return self.options.reduction
+
+    def check_targets(self) -> None:
+        """Raise on a target outside [0, V) that is not ignore_index (one device-to-host copy; the
+        kernels only ever see in-range targets)."""
+        t = self.raw_targets
+        bad = self.valid & ((t < 0) | (t >= self.V))
+        if self.n_rows and bool(bad.any()):
+            value = t[bad][0].item()
+            raise ValueError(f"targets: value {value} is outside [0, {self.V}) and is not "
+                             f"ignore_index={self.options.ignore_index}")
+
+    def denominator(self) -> torch.Tensor:
+        """What "mean" divides by: the summed weights of the non-ignored positions (their count
+        without token weights). 0 when every position is ignored: the loss is then NaN, as torch's."""
+        return self.weights.sum()
+
+    def unit_coef(self) -> torch.Tensor:
+        """Per-row gradient coefficient of the reduced loss for a unit incoming gradient."""
+        return self.weights / self.denominator().clamp(min=torch.finfo(torch.float32).tiny) \
+            if self.reduction == "mean" else self.weights
+
+    def coefficients(self, grad_loss, grad_lse, lse):
+        """(coef_s, coef_t, coef_u) of each row (fp32, (n,)); see the module docstring."""
+        o = self.options
+        n = self.n_rows
+        if grad_loss is None:
+            g = torch.zeros(n, dtype=torch.float32, device=lse.device)
+        elif o.reduction == "none":
+            g = grad_loss.reshape(-1).float() * self.weights
+        else:
+            g = grad_loss.float() * self.unit_coef()
+        coef_t = g * (1.0 - o.label_smoothing) if o.label_smoothing else g
+        coef_s = g * (1.0 + 2.0 * o.z_loss * lse) if o.z_loss else g
+        if grad_lse is not None:
+            coef_s = coef_s + grad_lse.reshape(-1).float() * self.valid
+        coef_u = g * (o.label_smoothing / self.V) if o.label_smoothing else None
+        return coef_s.contiguous(), coef_t.contiguous(), coef_u
+
+    def problem(self, e, c, bias, tile_map=None) -> CallProblem:
+        """The call's sizes for the planner (``tile_map``: the forward's, alive during the backward)."""
+        D = e.shape[-1]
+        return CallProblem(
+            n=self.n_rows, n_all=e.numel() // D, V=self.V, D=D, elem=e.element_size(),
+            grad_bytes=sum(t.numel() * t.element_size() for t in (e, c, bias) if t is not None),
+            e_view=_views_as_matrix(e), sorted_vocab=tile_map is not None,
+            map_bytes=tile_map.nbytes if tile_map is not None else 0,
+        )
+
+
+def pred_shape(batch, shift: int) -> torch.Size:
+    """The shape of the predicted targets of a batch shape (``targets[..., shift:]``)."""
+    return torch.Size(tuple(batch[:-1]) + (batch[-1] - shift,))
+
+
+def prepare(e, c, targets, bias, token_weights, o: Options, impl: str) -> Call:
+    """The call's rows, targets and weights (and, on the kernels' path, their layout)."""
+    dev = e.device
+    V = c.shape[0]
+    batch = tuple(e.shape[:-1])
+    T = batch[-1]
+    shape = pred_shape(batch, o.shift)
+    raw = targets.narrow(-1, o.shift, T - o.shift).reshape(-1)
+    valid = raw.long() != o.ignore_index
+    tgt = torch.where(valid & (raw >= 0) & (raw < V), raw, 0).to(torch.int64)
+    weights = valid.float()
+    if token_weights is not None:
+        weights = weights * token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1).float()
+    # Row of each prediction in e.reshape(-1, D).
+    rows = _grid_offsets(shape, _contiguous_strides(batch), dev)
+    layout = _row_layout(e, shape, rows) if impl == "triton" else None
+    return Call(impl=impl, options=o, pred_shape=shape, valid=valid, weights=weights, rows=rows, layout=layout,
+                targets=tgt, raw_targets=raw, V=V, has_token_weights=token_weights is not None)
+
+
+def _grid_offsets(shape, strides, device) -> torch.Tensor:
+    """Σ_j index_j * strides[j] over the index grid of ``shape``, flattened (int64)."""
+    off = torch.zeros((), dtype=torch.int64, device=device)
+    for j, (n, s) in enumerate(zip(shape, strides)):
+        view = [1] * len(shape)
+        view[j] = n
+        off = off + (torch.arange(n, dtype=torch.int64, device=device) * s).view(view)
+    return off.expand(tuple(shape)).reshape(-1)
+
+
+def _contiguous_strides(shape) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
+
+
+def _row_layout(e, shape, rows) -> RowLayout:
+    """Element offsets of the predicting rows, in e's storage and in a contiguous dE."""
+    D = e.shape[-1]
+    offsets = _grid_offsets(shape, e.stride()[:-1], e.device)
+    dense_stride = None
+    if shape == e.shape[:-1]:
+        # No shift: if the batch dims flatten to one stride, skip the table.
+        try:
+            dense_stride = e.view(-1, D).stride(0)
+        except RuntimeError:
+            pass
+    aligned = D % 8 == 0 and all(s % 8 == 0 for s in e.stride()[:-1]) and e.data_ptr() % 16 == 0
+    return RowLayout(offsets=offsets, de_offsets=rows * D, dense_stride=dense_stride, aligned=aligned)
+
+
+def _views_as_matrix(e: torch.Tensor) -> bool:
+    try:
+        e.view(-1, e.shape[-1])
+        return True
+    except RuntimeError:
+        return False

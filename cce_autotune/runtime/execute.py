@@ -1,0 +1,188 @@
+"""Running a call's plan: the forward (the target logits and the LSE, or the fused strategy's forward
+with its gradients), the loss's reduction, and the backward (the vocabulary order, the arguments of
+the strategy the plan names, the label-smoothing term added outside the kernels).
+
+Everything here follows the :class:`~cce_autotune.plans.CallPlan`; nothing is decided.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import memory, strategies
+from ..plans import CallPlan
+from ..strategies import forward as fwd
+from ..strategies.common import BackwardArgs
+from ..tile_map import sort_order
+from . import reference
+from .call import Call
+
+__all__ = ["CallState", "forward", "forward_reference", "backward", "backward_reference"]
+
+
+class CallState:
+    """What one forward leaves for its backward: the plan, the tile map, the fused strategy's
+    gradients (for a unit incoming gradient) and the classifier's fp32 column sum (label smoothing)."""
+
+    def __init__(self, plan: CallPlan | None = None):
+        self.plan = plan
+        self.tile_map = None
+        self.fused = None  # (dE, dC, dbias)
+        self.csum = None
+
+
+def _kernel_classifier(plan: CallPlan, e, c):
+    """The classifier the kernels read: ``c``, or its whole copy in e's dtype when the plan says so
+    (then every strategy runs as for a 16-bit classifier; remembered state stays keyed by ``c``)."""
+    return fwd.converted_classifier(c, e.dtype) if plan.forward.convert_classifier else c
+
+
+def _column_sum(c: torch.Tensor) -> torch.Tensor:
+    """Σ_v C[v] in fp32 (of the classifier as stored: for an fp32 classifier with 16-bit e, the
+    kernels' logits use C rounded to e's dtype, so the mean logit differs from theirs by that
+    rounding, a relative 2^-9 of the smoothing term at most)."""
+    return c.sum(0, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+
+
+def forward(plan: CallPlan, call: Call, e, c, bias) -> tuple:
+    """``(loss, lse, state)`` on the kernels' path."""
+    o = call.options
+    kv = plan.variants
+    fp = plan.forward
+    state = CallState(plan)
+    ck = _kernel_classifier(plan, e, c)
+    if fp.fused is not None:
+        call.check_targets()
+        lse, zt, de, dc, dbias = strategies.get(fp.fused.strategy).run_forward(
+            e, ck, bias, call.layout, call.targets, call.unit_coef().contiguous(), call.softcap, kv.backward, fp.fused,
+            dc_dtype=c.dtype, block_v=plan.costs.fused_block_v)
+        state.fused = (de, dc, dbias)
+    else:
+        zt = fwd.indexed_dot(e, ck, bias, call.layout, call.targets, call.softcap, kv.indexed_dot)
+        # The call's one device-to-host copy, just before the main kernel's launch, so that the
+        # GPU does not wait for the host's preparations.
+        call.check_targets()
+        lse, state.tile_map = fwd.lse_forward(e, ck, bias, call.layout, call.softcap, kv.lse_forward, perm=fp.walk,
+                                              zt=zt if fp.walk is not None else None, convert_chunk=fp.convert_chunk)
+    zsum = None
+    if o.label_smoothing:  # (no softcap here: see planner.choose_impl) Σ_j z_ij = e_i · Σ_j c_j + Σ_j b_j
+        state.csum = _column_sum(c)
+        zsum = torch.mv(call.layout.take(e).float(), state.csum) if call.n_rows else lse.new_zeros(0)
+        if bias is not None:
+            zsum = zsum + bias.sum(dtype=torch.float32)
+    loss, lse_out = _reduce(call, lse, zt, zsum)
+    return loss, lse_out, state
+
+
+def forward_reference(call: Call, e, c, bias) -> tuple:
+    """``(loss, lse, state)`` on the PyTorch path."""
+    call.check_targets()
+    lse, zt, zsum = reference.forward(e, c, bias, call.rows, call.targets, call.softcap,
+                                      row_sums=bool(call.options.label_smoothing))
+    loss, lse_out = _reduce(call, lse, zt, zsum)
+    return loss, lse_out, CallState()
+
+
+def _reduce(call: Call, lse, zt, zsum) -> tuple:
+    o = call.options
+    lse = lse.float()
+    ls = o.label_smoothing
+    row = lse - (1.0 - ls) * zt.float() if ls else lse - zt.float()
+    if ls:
+        row = row - (ls / call.V) * zsum.float()
+    if o.z_loss:
+        row = row + o.z_loss * lse * lse
+    # torch's cross_entropy gives NaN for a row whose logits hold +inf (or are all -inf).
+    row = torch.where(torch.isfinite(lse), row, float("nan"))
+    row = torch.where(call.valid, row, 0.0)
+    if call.has_token_weights:
+        row = row * call.weights  # (ignored rows stay 0, NaN rows stay NaN where the weight is not 0)
+    if o.reduction == "none":
+        loss = row.view(call.pred_shape)
+    elif o.reduction == "sum":
+        loss = row.sum()
+    else:
+        loss = row.sum() / call.denominator()  # 0 / 0 = NaN when every target is ignored, as torch
+    lse_out = torch.where(call.valid, lse, 0.0)
+    return loss, lse_out
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+
+
+def scale_fused(state: CallState, grad_loss, e) -> tuple:
+    """The gradients the fused forward computed for a unit incoming gradient, scaled by this one (an
+    fp32 0-d factor, not rounded to the gradients' dtype first)."""
+    de, dc, dbias = state.fused
+    state.fused = None
+    scale = grad_loss.float() if grad_loss is not None else torch.zeros((), device=e.device)
+    return de.mul_(scale), dc.mul_(scale), dbias.mul_(scale) if dbias is not None else None
+
+
+def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u, tile_map, csum=None) -> tuple:
+    """``(dE, dC, dbias)`` on the kernels' path, as ``plan`` (complete: its backward planned) says;
+    ``lse`` is infinite where a row has no gradient."""
+    bw = plan.backward
+    order = None
+    if plan.forward.sort:
+        order = sort_order(call.layout.take(e), c, bias, weights=call.valid)
+        if plan.forward.remember_order:
+            memory.remember_order(c, order)  # the next forward of this classifier walks it
+    ck = _kernel_classifier(plan, e, c)
+    perm = {"map": tile_map.perm if tile_map is not None else None, "sorted": order, "natural": None}[plan.order]
+    if perm is not None:
+        inv = torch.empty_like(perm)
+        inv[perm.long()] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
+        target_pos = inv[call.targets]
+    else:
+        target_pos = call.targets
+    strategy = strategies.get(bw.strategy)
+    if plan.correction is not None and not (bw.use_map and strategy.takes_correction and not plan.deterministic):
+        raise ValueError("plan: the dead-tile correction needs a mapped plan of a strategy that takes it "
+                         "(not deterministic)")
+    if bw.use_map and (tile_map is None or plan.live is None or plan.run_eps is None or perm is not tile_map.perm):
+        raise ValueError("plan: a mapped backward needs the tile map, its live grid, filtering and the order the "
+                         "forward walked")
+    variant = plan.variants.backward.replace(strategy=bw.strategy, filter_eps=plan.run_eps, sort_vocab=perm is not None)
+    coef_out = None
+    rows = call.layout
+    if bw.use_map and rows.n > 0:
+        # The onehot term of a row is added inside a launched tile; rows whose target tile is not
+        # launched get theirs from outside (coefficient coef_out).
+        in_live = plan.live[torch.arange(rows.n, device=lse.device) // variant.block_b,
+                            target_pos.long() // variant.block_v]
+        coef_out = torch.where(in_live, 0.0, coef_t)
+    args = BackwardArgs(
+        e=e, c=ck, bias=bias, rows=rows, target_pos=target_pos, targets=call.targets, lse=lse, coef_s=coef_s,
+        coef_t=coef_t, coef_out=coef_out, perm=perm, softcap=call.softcap, filter_eps=plan.run_eps, variant=variant,
+        tile_map=tile_map if bw.use_map else None, live=plan.live, blocks=plan.blocks, dc_dtype=c.dtype,
+        deterministic=plan.deterministic, correction=plan.correction, costs=plan.costs,
+    )
+    de, dc, dbias = strategy.run(args, bw)
+    if coef_u is not None:
+        de, dc, dbias = _add_uniform_term(e, call, coef_u, csum if csum is not None else _column_sum(c), de, dc, dbias)
+    return de, dc, dbias
+
+
+def backward_reference(call: Call, e, c, bias, lse, coef_s, coef_t, coef_u) -> tuple:
+    """``(dE, dC, dbias)`` on the PyTorch path."""
+    return reference.backward(e, c, bias, call.rows, call.targets, lse, coef_s, coef_t, call.softcap, coef_u=coef_u)
+
+
+def _add_uniform_term(e, call: Call, coef_u, csum, de, dc, dbias):
+    """The label-smoothing term -coef_u[i] of every logit of row i: dE[row i] -= coef_u[i] Σ_v C[v],
+    every dC row -= Σ_i coef_u[i] e_i, every dbias entry -= Σ_i coef_u[i] (products in fp32)."""
+    D = e.shape[-1]
+    de2 = de.view(-1, D)
+    r = call.rows
+    de2[r] = (de2[r].float() - coef_u[:, None] * csum[None, :]).to(de.dtype)
+    u = coef_u @ call.layout.take(e).float()
+    dc = (dc.float() - u[None, :]).to(dc.dtype) if dc.dtype != torch.float32 else dc.sub_(u[None, :])
+    if dbias is not None:
+        dbias = (dbias.float() - coef_u.sum()).to(dbias.dtype)
+    return de, dc, dbias

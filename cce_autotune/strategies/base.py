@@ -1,0 +1,140 @@
+"""What every backward strategy is: its name and facts, its knobs, its cost and memory formulas, its
+launch. A strategy module defines one subclass of :class:`Strategy` and one instance of it,
+``STRATEGY``, and the table in :mod:`cce_autotune.strategies` names the module.
+
+The formulas are pure Python over a :class:`~cce_autotune.plans.CallProblem` and a cost model (any
+object with the coefficients as attributes: :class:`cce_autotune.planning.costs.CostModel`); the
+planner asks every strategy and chooses, the strategy never decides when it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..plans import CallProblem, Option
+
+if TYPE_CHECKING:  # (types only: the launch helpers import PyTorch)
+    from .common import BackwardArgs
+
+__all__ = ["Coefficient", "PlanContext", "Strategy", "mm_ms", "map_overhead"]
+
+
+@dataclass(frozen=True)
+class Coefficient:
+    """A number of the cost model: its name, built-in value (chosen or measured on the H200), whether
+    ``cce-tune``'s calibration fits it, and what it is. A GPU's tuned-config file may set any of them
+    (``cost_model:``)."""
+
+    name: str
+    default: float
+    doc: str
+    fitted: bool = False
+    integer: bool = False
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a strategy's :meth:`Strategy.option` is asked for one call."""
+
+    problem: CallProblem
+    variant: Any  # the call's BackwardVariant (block sizes, chunk_v, accum, ...)
+    costs: Any  # the GPU's cost model
+    budget: int | None  # extra bytes allowed (None: unlimited)
+    use_map: bool  # the forward recorded a tile map and the call filters
+    live: float  # live-tile share (1.0 without a map)
+    live_blocks: float  # this strategy's share of live blocks (1.0 without a map), see Strategy.blocks
+    n_live: int  # live tiles at the variant's tiling
+    fixed: float  # a mapped backward's fixed cost, in matmuls (0 without a map)
+    exact: bool  # no filter: every tile is computed
+
+
+def mm_ms(p: CallProblem, costs) -> float:
+    """Estimated time of one matmul of the shape, ms (converts fixed costs into matmuls)."""
+    return 2.0 * max(1, p.n) * p.V * p.D / (costs.matmul_tflops * 1e9)
+
+
+def map_overhead(p: CallProblem, use_map: bool) -> int:
+    """The tile map itself plus the transient (tiles x rows) comparison that turns it into a live grid."""
+    return 2 * p.map_bytes if use_map else 0
+
+
+class Strategy:
+    """A way of computing the gradients. Subclasses set the class attributes and implement
+    :meth:`option` and :meth:`run` (or :meth:`run_forward` when ``in_forward``).
+
+    - ``name``: what ``BackwardVariant.strategy`` and the plans call it;
+    - ``template``, ``kernel_function``: the Jinja template it renders and its main ``@triton.jit``
+      function (``templates/backward_<name>.py.j2`` by convention: the backward kernel's template hash
+      covers every such file);
+    - ``knobs``: the BackwardVariant knobs only this strategy reads (the search space pins them when
+      another strategy is asked for);
+    - ``needs_map``: it can only run from the forward's tile map;
+    - ``skips_without_map``: its kernel's own filter skips tiles without a map (it runs in the sorted
+      order when there is one);
+    - ``in_forward``: it computes the gradients during the forward (the backward only scales them);
+    - ``deterministic``: its sums use no float atomics (the same bits every run);
+    - ``takes_correction``: it can add the dead-tile correction;
+    - ``coefficients``: its numbers in the cost model;
+    - ``space_rules``: ``(name, rule, why)`` rules of the search space that hold when this strategy
+      is asked for (rule language of :mod:`cce_autotune.tuner.space`);
+    - ``calibration``: ``(run name, exact)`` runs that ``cce-tune`` times with this strategy forced,
+      to fit its coefficients.
+    """
+
+    name: str = ""
+    template: str = ""
+    kernel_function: str = ""
+    knobs: tuple = ()
+    needs_map: bool = False
+    skips_without_map: bool = False
+    in_forward: bool = False
+    deterministic: bool = False
+    takes_correction: bool = False
+    coefficients: tuple = ()
+    space_rules: tuple = ()
+    calibration: tuple = ()
+
+    # -- planning ------------------------------------------------------------------------------
+    def option(self, ctx: PlanContext) -> Option | None:
+        """The estimate for the call (None: the strategy cannot run for it)."""
+        raise NotImplementedError
+
+    def uses_map(self, variant) -> bool:
+        """Whether it can launch from the tile map with ``variant``'s knobs (the forward records the
+        map for it only then)."""
+        return True
+
+    def forward_option(self, p: CallProblem, costs, budget: int | None, dense_rows: bool = True,
+                       forced: bool = False) -> Option | None:
+        """(``in_forward`` strategies) The estimate of forward and backward together (None: it cannot
+        run for the call, or, unless ``forced``, should not)."""
+        return None
+
+    def blocks(self, live, ctx: PlanContext):
+        """For strategies that skip blocks of tiles: the (device, bool) grid of this call's blocks that
+        hold a live tile, flattened in launch order, from the (row blocks, tiles) ``live`` grid; None
+        for the others. Its share of True is ``ctx.live_blocks`` of the next :meth:`option`, the list
+        goes to :meth:`run` as ``args.blocks``."""
+        return None
+
+    def block_share(self, live: float, ctx: PlanContext) -> float | None:
+        """(Strategies with :meth:`blocks`.) The share of blocks holding a live tile when a share
+        ``live`` of the tiles is live, spread at random (``cce-tune explain``'s estimate)."""
+        return None
+
+    # -- running -------------------------------------------------------------------------------
+    def run(self, args: "BackwardArgs", plan) -> tuple:
+        """``(dE, dC, dbias)`` as ``plan`` (a :class:`~cce_autotune.plans.BackwardPlan`) says."""
+        raise NotImplementedError
+
+    def forward_cost(self, p: CallProblem, costs, plan) -> float:
+        """(``in_forward`` strategies) The estimate of forward and backward together for ``plan``'s sizes."""
+        raise NotImplementedError
+
+    def run_forward(self, e, c, bias, rows, targets, coef, softcap, variant, plan, *, dc_dtype=None, block_v=2048):
+        """(``in_forward`` strategies) ``(lse, zt, dE, dC, dbias)`` for a unit incoming gradient."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<strategy {self.name}>"

@@ -1,0 +1,376 @@
+"""The chunked strategy: per vocabulary chunk (and group of rows), a kernel writes the gradient block
+g of the rows to a small buffer (dead tiles as zeros, without recomputing them) and cuBLAS forms
+dC[chunk] = g^T E and dE += g C[chunk]; chunks without a live tile are skipped.
+
+Cost: ``recompute`` x live tiles + (``products`` + the buffers' traffic) x live chunks, or the host's
+time to launch the blocks where that is longer. Memory: the g block (rows x chunk_v), the gathered C
+and dC rows of a chunk in a sorted order, and an fp32 dE (4·n·D). Where the g block of every row does
+not fit beside it, rows go in groups (``row_group`` rows per block of g; dC[chunk] summed over the
+groups in an fp32 (chunk_v x D) buffer, one rounding): dE stays fp32 at any number of tokens. Only
+when not even that fits is dE accumulated in its own dtype (fp32 inside cuBLAS, one rounding per live
+chunk). No float atomics: the deterministic strategy, and the one that takes the dead-tile correction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
+from ..codegen import load_kernel
+from ..plans import CallProblem, Option
+from .base import Coefficient, PlanContext, Strategy, mm_ms
+from .common import (
+    BackwardArgs,
+    RowLayout,
+    add_matmul,
+    add_matmul_fp32,
+    add_target_terms,
+    convert_rows,
+    flags,
+    mm_fp32_out,
+    softcap_arg,
+)
+
+__all__ = ["Chunked", "STRATEGY", "shape", "extra_bytes", "cost", "chunk_grid"]
+
+
+# -- formulas -------------------------------------------------------------------------------------
+def extra_bytes(p: CallProblem, chunk_v: int, de_fp32: bool, use_map: bool, row_group: int = 0) -> int:
+    """The chunked strategy's peak extra memory (see the module docstring)."""
+    w = min(chunk_v, p.V)
+    grouped = 0 < row_group < p.n
+    g_rows = -(-row_group * p.n_all // max(1, p.n)) if grouped else p.n_all  # a group's rows of E
+    b = p.elem * g_rows * w  # the g block
+    if grouped:
+        b += 4 * w * p.D  # dC[chunk] summed over the groups in fp32
+    if de_fp32:
+        b += 4 * p.n_all * p.D
+    if p.sorted_vocab:
+        b += 2 * p.elem * w * p.D  # C[chunk] gathered, dC[chunk] before its scatter
+    if not p.e_view:
+        b += p.elem * p.n_all * p.D  # E copied into a matrix
+    b += 4 * min(1024, p.n) * p.D  # target terms outside the launched tiles, in pieces
+    if not use_map:
+        return b
+    # The map stays alive; the transient comparison that turns it into the live grid is freed
+    # before these buffers are allocated, so the peak is the larger of the two.
+    return p.map_bytes + max(b, p.map_bytes)
+
+
+def shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact: bool, costs) -> tuple[int, bool, int]:
+    """(chunk_v, de_fp32, row_group) of the chunked strategy under ``budget``.
+
+    dE is accumulated in fp32 whenever any shape fits: every chunk width from the variant's down to
+    256 columns with all rows in one g block, and the power-of-two row groups of at least
+    the cost model's ``row_group_min`` rows at each width; of those that fit, the cheapest by
+    :func:`cost` (fewer, wider blocks move less memory and launch less).  Only when none
+    fits is dE accumulated in its own dtype (the widest chunk that fits, halving down to 256
+    columns; 1024 when none fits).  Exact gradients always keep the fp32 dE (their accuracy
+    promise). ``row_group`` is 0 when all rows go in one block."""
+    return _shape(p, block_v, chunk_v, budget, exact, costs)
+
+
+@lru_cache(maxsize=256)  # pure, and asked for several times per call (decide, each plan, the exact cost)
+def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact: bool, costs) -> tuple[int, bool, int]:
+    top = max(block_v, min(chunk_v, -(-p.V // block_v) * block_v))
+    floor = max(block_v, min(top, 1024))
+    narrowest = max(block_v, 256)
+    widths = []
+    w = top
+    while w >= min(narrowest, top):
+        widths.append(w)
+        if w // 2 < block_v:
+            break
+        w = w // 2 // block_v * block_v  # whole tiles: the live grid is read a tile at a time
+    groups = [0]
+    R = 1 << max(0, (p.n - 1).bit_length() - 1)  # the largest power of two below n
+    while R >= costs.row_group_min:
+        groups.append(R)
+        R //= 2
+    best = None
+    for w in widths:
+        for R in groups:
+            if budget is not None and extra_bytes(p, w, True, not exact, R) > budget:
+                continue
+            est = cost(p, costs, 1.0, 1.0, w, True, R)
+            if best is None or est < best[0] - 1e-12:
+                best = (est, w, R)
+    if best is not None:
+        return best[1], True, best[2]
+    if exact:
+        return floor, True, 0
+    w = top
+    while True:
+        if budget is None or extra_bytes(p, w, False, True) <= budget:
+            return w, False, 0
+        if w // 2 < max(block_v, 256):
+            return floor, False, 0
+        w = w // 2 // block_v * block_v
+
+
+def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):
+    """(chunks, row groups) bool: which (vocabulary chunk, row group) blocks of the chunked strategy
+    hold a live tile, from the (row blocks, tiles) live grid; ``group_blocks`` row blocks per group
+    (0: one group of all rows)."""
+    Rb, T = live_grid.shape
+    cb = chunk_v // block_v
+    K = -(-T // cb)
+    rg = group_blocks if 0 < group_blocks < Rb else max(1, Rb)
+    G = -(-Rb // rg)
+    padded = torch.zeros((G * rg, K * cb), dtype=torch.bool, device=live_grid.device)
+    padded[:Rb, :T] = live_grid
+    return padded.view(G, rg, K, cb).any(dim=3).any(dim=1).T
+
+
+def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, de_fp32: bool,
+         row_group: int = 0) -> float:
+    """The chunked strategy's estimate: recompute of the live tiles, and per live chunk the two
+    products plus the traffic of the g block (written, read twice), of dE (read, written) and, with
+    row groups, of the fp32 dC[chunk] they sum into (read, written per group) - or the host's time to
+    launch the (chunk, row group) blocks, where that is longer. ``live_chunks``: the share of those
+    blocks that hold a live tile."""
+    grouped = 0 < row_group < p.n
+    traffic = (1.5 * p.elem * costs.flops_per_byte / p.D + (4 if de_fp32 else 2) * costs.flops_per_byte / max(1, chunk_v)
+               + (4 * costs.flops_per_byte / row_group if grouped else 0.0))
+    device = costs.recompute * live + live_chunks * (costs.products + traffic)
+    n_chunks = -(-p.V // max(1, chunk_v))
+    n_groups = -(-p.n // row_group) if grouped else 1
+    gather = costs.gather_chunk_ms if p.sorted_vocab else 0.0
+    host = live_chunks * n_chunks * (costs.chunk_ms * n_groups + gather) / mm_ms(p, costs)
+    return max(device, host)
+
+
+# -- the strategy ----------------------------------------------------------------------------------
+class Chunked(Strategy):
+    name = "chunked"
+    template = "backward_chunked.py.j2"
+    kernel_function = "cce_grad_chunk_kernel"
+    knobs = ("chunk_v",)
+    deterministic = True
+    takes_correction = True
+    coefficients = (
+        Coefficient("recompute", 1.25, "the gradient kernel, per unit of live-tile share", fitted=True),
+        Coefficient("products", 2.0, "its two cuBLAS products, per unit of live-chunk share (also the fused "
+                    "strategy's three products' unit)", fitted=True),
+        Coefficient("chunk_ms", 0.19, "host time per chunk (a kernel launch, two cuBLAS calls)"),
+        Coefficient("gather_chunk_ms", 0.1, "and more per chunk in a sorted order (C and dC rows gathered)"),
+        Coefficient("row_group_min", 1024, "fewest rows per group: fewer starve cuBLAS's dC product (a power of two, "
+                    "a multiple of block_b)", integer=True),
+    )
+    space_rules = (
+        ("chunk_buffer", "B * chunk_v * elem_bytes <= 64 * 2**20",
+         "an explicitly chunked strategy's gradient buffer (B x chunk_v) stays within 64 MiB (under auto, chunk_v "
+         "is an upper bound that the planner narrows to fit the memory budget)"),
+    )
+    calibration = (("chunked", False), ("chunked_exact", True))
+
+    def option(self, ctx: PlanContext) -> Option:
+        p, v, costs = ctx.problem, ctx.variant, ctx.costs
+        w, de_fp32, rg = shape(p, v.block_v, v.chunk_v, ctx.budget, ctx.exact, costs)
+        return Option(ctx.fixed + cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg),
+                      extra_bytes(p, w, de_fp32, ctx.use_map, rg), use_map=ctx.use_map,
+                      sizes=dict(chunk_v=w, row_group=rg, de_fp32=de_fp32,
+                                 live_chunks=ctx.live_blocks if ctx.use_map else None))
+
+    def blocks(self, live, ctx: PlanContext):
+        v = ctx.variant
+        w, _, rg = shape(ctx.problem, v.block_v, v.chunk_v, ctx.budget, ctx.exact, ctx.costs)
+        return chunk_grid(live, w, v.block_v, rg // v.block_b).reshape(-1)  # chunk-major, as run() walks
+
+    def block_share(self, live: float, ctx: PlanContext) -> float:
+        # A chunk holds a live tile when any row block has one there.
+        v = ctx.variant
+        w, _, rg = shape(ctx.problem, v.block_v, v.chunk_v, ctx.budget, False, ctx.costs)
+        per_chunk = max(1, w // v.block_v) * -(-(rg or ctx.problem.n) // v.block_b)
+        return 1.0 - (1.0 - live) ** per_chunk
+
+    def run(self, args: BackwardArgs, plan) -> tuple:
+        """For each vocabulary chunk of ``plan.chunk_v`` columns, and each group of ``plan.row_group``
+        rows (all rows when 0), that holds a live tile (every block without a map), a kernel writes
+        the gradient block g of the group's rows (dead tiles as zeros, not recomputed) to a buffer that
+        lines up with the rows of E, and cuBLAS forms dE += g C[chunk], accumulated in fp32 when
+        ``plan.de_fp32`` and else in dE itself (fp32 inside cuBLAS, one rounding per live chunk), and
+        dC[chunk] = g^T E (one rounding; with row groups summed over the groups in an fp32 buffer
+        first). ``args.blocks[k * groups + j]``: whether chunk k holds a live tile in row group j. No
+        atomics (but the live mass of the dead-tile correction); no V x D scratch.
+
+        With ``args.correction`` (the dead-tile correction's direction), the kernel sums each row's
+        softmax mass in the tiles it computes, and row i's dE gains ``coef_s[i] * (1 - that mass) *
+        direction``: the skipped tiles' softmax terms taken along one direction."""
+        e, c, bias, rows, variant = args.e, args.c, args.bias, args.rows, args.variant
+        target_pos, targets, lse, coef_s, coef_t = args.target_pos, args.targets, args.lse, args.coef_s, args.coef_t
+        coef_out, perm, softcap, dc_dtype = args.coef_out, args.perm, args.softcap, args.dc_dtype
+        tile_map, live, chunks, dead_dir = args.tile_map, args.live, args.blocks, args.correction
+        deterministic = args.deterministic
+        n, D = rows.n, e.shape[-1]
+        V = c.shape[0]
+        dev = e.device
+        e2 = e.reshape(-1, D)  # a view unless e's strides forbid it (the planner counts the copy)
+        N = e2.shape[0]
+        de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
+        de2 = de.view(N, D)
+        acc = torch.zeros((N, D), dtype=torch.float32, device=dev) if plan.de_fp32 else de2
+        dc = torch.empty(c.shape, dtype=dc_dtype or c.dtype, device=dev)
+        dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+        # Deterministic: the kernel's float atomics into dbias go to a scratch that is dropped; dbias is
+        # summed from each chunk's g instead.
+        dbias_k = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None and deterministic else dbias
+        W = min(plan.chunk_v or variant.chunk_v, V)
+        n_chunks = triton.cdiv(V, W)
+        computed = [False] * n_chunks
+        if n > 0:
+            use_live = live is not None
+            groups = _row_groups(e, rows, plan.row_group, variant.block_b, N)
+            # A classifier wider than e: each chunk's rows converted to e's dtype once (see lse_forward),
+            # read by the kernel and by cuBLAS.
+            c_buf = torch.empty((W, D), dtype=e.dtype, device=dev) if c.dtype != e.dtype else None
+            mass = torch.zeros(n, dtype=torch.float32, device=dev) if dead_dir is not None else None
+            kernel = load_kernel(variant, flags(e, c if c_buf is None else c_buf, bias, softcap, variant.block_d, rows,
+                                                tile_live=use_live, c_local=c_buf is not None,
+                                                live_mass=mass is not None))
+            # Rows of E that no problem row reads (shift, ignored rows) keep a zero gradient row in g.
+            g_rows = max(grp.span for grp in groups)
+            g_buf = (torch.zeros if n < N else torch.empty)((g_rows, W), dtype=e.dtype, device=dev)
+            # Row groups: dC[chunk] summed over the groups in fp32, one rounding when written.
+            dc_part = torch.empty((W, D), dtype=torch.float32, device=dev) if len(groups) > 1 else None
+            # Each group's rows of the per-row arguments, sliced once (views; launches dominate small blocks).
+            per_group = [(rows.offsets[gr.lo:], target_pos[gr.lo:], lse[gr.lo:], coef_s[gr.lo:], coef_t[gr.lo:],
+                          live[gr.lo // variant.block_b:] if use_live else lse, () if mass is None else (mass[gr.lo:],))
+                         for gr in groups]
+            # ... and its rows of E, of the dE accumulator and of g, for the products.
+            views = [(e2[gr.first : gr.first + gr.span], acc[gr.first : gr.first + gr.span], g_buf[: gr.span])
+                     for gr in groups]
+            for k in range(n_chunks):
+                lo = k * W
+                w = min(W, V - lo)
+                todo = [j for j in range(len(groups)) if chunks is None or chunks[k * len(groups) + j]]
+                if not todo:
+                    continue  # no live tile: every gradient of the chunk is negligible
+                chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
+                c_arg = c if chunk is None else chunk
+                cols = perm[lo : lo + w].long() if perm is not None else None
+                c_k = chunk if chunk is not None else (c[lo : lo + w] if cols is None else c[cols])
+                if dc_part is not None:
+                    dc_part[:w].zero_()
+                for j in todo:
+                    grp = groups[j]
+                    grid = (triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v),)
+                    offsets, tpos, lse_g, cs, ct, live_g, mass_g = per_group[j]
+                    kernel[grid](
+                        grp.e, c_arg, bias if bias is not None else c, offsets, grp.g_offsets, tpos,
+                        lse_g, cs, ct, perm if perm is not None else target_pos, live_g, g_buf,
+                        dbias_k if dbias_k is not None else lse,
+                        grp.n, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), g_buf.stride(0),
+                        softcap_arg(softcap), lo, w, *mass_g,
+                        BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+                        GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages,
+                    )
+                    if grp.holes is not None:
+                        g_buf.index_fill_(0, grp.holes, 0)  # rows another group wrote, not this group's
+                    e_rows, acc_g, g = views[j]
+                    if w != W:
+                        g = g[:, :w]
+                    add_matmul(acc_g, g, c_k)
+                    if dc_part is not None:
+                        add_matmul_fp32(dc_part[:w], g.T, e_rows)
+                    elif cols is None:
+                        if dc.dtype == g.dtype:
+                            torch.mm(g.T, e_rows, out=dc[lo : lo + w])
+                        else:
+                            mm_fp32_out(g.T, e_rows, dc[lo : lo + w])
+                    else:
+                        if dc.dtype == g.dtype:
+                            dc[cols] = g.T @ e_rows
+                        else:
+                            part = torch.empty((w, D), dtype=dc.dtype, device=dev)
+                            mm_fp32_out(g.T, e_rows, part)
+                            dc[cols] = part
+                    if deterministic and dbias is not None:
+                        part_b = g.sum(0, dtype=torch.float32)
+                        if cols is None:
+                            dbias[lo : lo + w] += part_b
+                        else:
+                            dbias[cols] += part_b
+                if dc_part is not None:
+                    if cols is None:
+                        dc[lo : lo + w] = dc_part[:w]
+                    else:
+                        dc[cols] = dc_part[:w].to(dc.dtype)
+                computed[k] = True
+        for k in range(n_chunks):
+            if not computed[k]:
+                lo = k * W
+                if perm is None:
+                    dc[lo : lo + W].zero_()
+                else:
+                    dc[perm[lo : lo + W].long()] = 0
+        if coef_out is not None and n > 0:  # target terms of rows whose target tile is dead
+            add_target_terms(c, e2, rows, targets, coef_out, tile_map.zt, softcap, acc, dc, dbias)
+        if dead_dir is not None and n > 0:
+            # The skipped tiles' softmax mass along the fitted direction (a row without a gradient has an
+            # infinite LSE: no mass).
+            dead = torch.where(torch.isfinite(lse), (1.0 - mass).clamp_min(0.0), 0.0) * coef_s
+            acc.index_add_(0, rows.row_index(D), (dead[:, None] * dead_dir.to(device=dev, dtype=torch.float32)[None, :])
+                           .to(acc.dtype))
+        if plan.de_fp32:
+            de2.copy_(acc)
+        if dbias is not None:
+            dbias = dbias.to(bias.dtype)
+        return de, dc, dbias
+
+
+@dataclass
+class _RowGroup:
+    """Problem rows lo .. lo + n of the chunked strategy's row group, whose rows of E lie in
+    first .. first + span (the rows of g it writes); ``e``: E as the kernel addresses it for the
+    group (dense rows: a view starting at its first row); ``g_offsets``: the dE offsets the kernel
+    turns into g's rows (relative to ``first``); ``holes``: rows of g in the span that are not the
+    group's (zeroed after each launch), or None."""
+
+    lo: int
+    n: int
+    first: int
+    span: int
+    e: torch.Tensor
+    g_offsets: torch.Tensor
+    holes: torch.Tensor | None = None
+
+
+def _row_groups(e, rows: RowLayout, row_group: int, block_b: int, N: int) -> list:
+    """The chunked strategy's row groups: one of every row (g lines up with all of E) unless
+    ``row_group`` asks for blocks of that many problem rows (a multiple of ``block_b``: the live
+    grid's row blocks)."""
+    n, D = rows.n, e.shape[-1]
+    if not 0 < row_group < n:
+        return [_RowGroup(0, n, 0, N, e, rows.de_offsets)]
+    if row_group % block_b:
+        raise ValueError(f"plan.row_group={row_group} must be a multiple of the variant's block_b={block_b}")
+    bounds = list(range(0, n, row_group))
+    idx = rows.row_index(D)
+    if rows.dense_stride is not None:  # row i of the problem is row i of E
+        firsts, lasts = bounds, [min(n, lo + row_group) - 1 for lo in bounds]
+    else:
+        ends = [min(n, lo + row_group) for lo in bounds]
+        ext = torch.stack([torch.stack([idx[lo:hi].min(), idx[lo:hi].max()]) for lo, hi in zip(bounds, ends)])
+        firsts, lasts = zip(*ext.tolist())  # one copy
+    out = []
+    for lo, first, last in zip(bounds, firsts, lasts):
+        m = min(n, lo + row_group) - lo
+        span = last - first + 1
+        if rows.dense_stride is not None:
+            s = rows.dense_stride
+            ge = e.as_strided((m, D), (s, e.stride(-1)), e.storage_offset() + lo * s)
+            out.append(_RowGroup(lo, m, first, span, ge, rows.de_offsets[lo:]))
+            continue
+        local = idx[lo : lo + m] - first
+        holes = None
+        if span > m:  # rows of E between the group's own: other groups' or nobody's
+            keep = torch.ones(span, dtype=torch.bool, device=idx.device)
+            keep[local] = False
+            holes = keep.nonzero().view(-1)
+        out.append(_RowGroup(lo, m, first, span, e, (local * D).contiguous(), holes))
+    return out
+
+
+STRATEGY = Chunked()

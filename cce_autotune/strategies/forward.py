@@ -1,0 +1,124 @@
+"""The forward's kernels: the target logits (indexed dot), the blockwise log-sum-exp with the tile
+map it records, and the classifier converted to e's dtype. Every strategy but the fused one runs
+them (the fused one computes the forward with its gradients).
+"""
+
+from __future__ import annotations
+
+from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
+from ..codegen import load_kernel
+from ..tile_map import TileMap
+from .common import RowLayout, convert_rows, flags, softcap_arg
+
+__all__ = ["indexed_dot", "lse_forward", "lse_splits", "convert_width", "converted_classifier"]
+
+
+def indexed_dot(e, c, bias, rows: RowLayout, targets, softcap, variant) -> torch.Tensor:
+    """z[i] = softcap(e_row(i) . c[targets[i]] + bias[targets[i]]) in fp32, shape (n_rows,)."""
+    n_rows, D = rows.n, e.shape[-1]
+    out = torch.empty(n_rows, dtype=torch.float32, device=e.device)
+    if n_rows == 0:
+        return out
+    kernel = load_kernel(variant, flags(e, c, bias, softcap, variant.block_d, rows))
+    grid = (triton.cdiv(n_rows, variant.block_b),)
+    kernel[grid](
+        e, c, bias if bias is not None else c, rows.offsets, targets, out,
+        n_rows, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), softcap_arg(softcap),
+        BLOCK_B=variant.block_b, BLOCK_D=variant.block_d,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    return out
+
+
+def lse_splits(n_vocab_tiles: int, num_splits: int) -> int:
+    """Splits actually launched: no split is left empty (split s walks tiles s, s + splits, ...)."""
+    return max(1, min(num_splits, n_vocab_tiles))
+
+
+def lse_forward(e, c, bias, rows: RowLayout, softcap, variant,
+                perm: torch.Tensor | None = None, zt: torch.Tensor | None = None, convert_chunk: int | None = None):
+    """Per-row log-sum-exp of the (softcapped) logits, fp32 (n_rows,).
+
+    Returns ``(lse, tile_map)``.  When ``perm`` is given the vocabulary is walked in that order;
+    when the target logits ``zt`` are given too, the bounds of
+    :class:`~cce_autotune.tile_map.TileMap` are recorded (else ``tile_map`` is None).
+
+    A classifier wider than e (fp32 with 16-bit e) is converted to e's dtype ``convert_chunk`` rows
+    at a time (:func:`convert_width`; in the walked order) and each chunk reduced by its own launch:
+    every row block reads C's tiles, so reading them in fp32 would double the traffic the kernel lives
+    on; the chunk's conversion reads C once.
+    """
+    n_rows, D = rows.n, e.shape[-1]
+    V = c.shape[0]
+    dev = e.device
+    record = perm is not None and zt is not None
+    n_tiles = triton.cdiv(V, variant.block_v)
+    tmap = None
+    if record:
+        tmap = TileMap(q=torch.empty((n_tiles, n_rows), dtype=torch.int8, device=dev), block_v=variant.block_v,
+                       perm=perm, zt=zt)
+    if n_rows == 0:
+        return torch.empty(0, dtype=torch.float32, device=dev), tmap
+    if c.dtype == e.dtype:
+        return _lse_launch(e, c, bias, rows, softcap, variant, perm, zt, tmap.q if record else None), tmap
+    if convert_chunk is None:
+        raise ValueError("convert_chunk: a classifier wider than e is converted in chunks: give their rows")
+    W = convert_chunk
+    buf = torch.empty((min(W, V), D), dtype=e.dtype, device=dev)
+    lse = None
+    for lo in range(0, V, W):
+        w = min(W, V - lo)
+        chunk = convert_rows(c, lo, w, perm, buf)
+        # Walking an order: cols (bias, map) come from the chunk of the order, C's rows from the
+        # chunk; else the chunk's columns are vocabulary entries lo.. (bias sliced to match).
+        part = _lse_launch(e, chunk, bias if perm is not None or bias is None else bias[lo : lo + w], rows, softcap,
+                           variant, perm[lo : lo + w] if perm is not None else None, zt,
+                           tmap.q[lo // variant.block_v :] if record else None, c_local=True)
+        lse = part if lse is None else torch.logaddexp(lse, part)
+    return lse, tmap
+
+
+def convert_width(V: int, D: int, block_v: int, elem: int, max_bytes: int) -> int:
+    """Rows of the classifier converted at a time: a multiple of ``block_v`` within ``max_bytes``
+    (at least one tile)."""
+    rows = max(block_v, int(max_bytes) // max(1, D * elem) // block_v * block_v)
+    return min(rows, triton.cdiv(V, block_v) * block_v)
+
+
+def converted_classifier(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole classifier converted to ``dtype`` (one launch)."""
+    V, D = c.shape
+    return convert_rows(c, 0, V, None, torch.empty((V, D), dtype=dtype, device=c.device))
+
+
+def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_local=False):
+    """One launch of the LSE kernel over all of ``c``'s rows (walked in the order ``perm`` when
+    given; with ``c_local``, C's row p holds the walked position p); records the map into ``q``
+    when given. Returns the (n_rows,) fp32 LSE."""
+    n_rows = rows.n
+    V = perm.shape[0] if perm is not None else c.shape[0]
+    dev = e.device
+    n_tiles = triton.cdiv(V, variant.block_v)
+    num_splits = lse_splits(n_tiles, variant.num_splits)
+    if variant.merge == "buffer":
+        out = torch.empty((num_splits, n_rows), dtype=torch.float32, device=dev)
+        locks = out  # unused
+    else:
+        out = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
+        locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
+    record = q is not None
+    fl = flags(e, c, bias, softcap, variant.block_d, rows, walk_perm=perm is not None, tile_map=record,
+               c_local=c_local)
+    kernel = load_kernel(variant, fl)
+    grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
+    kernel[grid](
+        e, c, bias if bias is not None else c, rows.offsets, out, locks,
+        perm if perm is not None else rows.offsets,
+        zt if record else out, q if record else out,
+        n_rows, V, e.shape[-1], rows.stride, e.stride(-1), c.stride(0), c.stride(1), softcap_arg(softcap),
+        num_splits,
+        BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+        GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
+    )
+    return torch.logsumexp(out, dim=0) if variant.merge == "buffer" else out

@@ -1,0 +1,134 @@
+"""The fused strategy: the gradients computed during the forward, in blocks of rows. cuBLAS forms a
+block's fp32 logits, a kernel its LSE, target logit and gradient g, cuBLAS dE[block] = g C and
+dC += g^T E[block]; the backward only scales them by the incoming gradient. No recompute (three
+matmuls where the others need four when most tiles are live), at the price of the logit block (rows x
+V, fp32, and g) and of one rounding of dC per block; for the "mean" and "sum" reductions without the
+LSE's gradient (the planner takes it only then).
+"""
+
+from __future__ import annotations
+
+from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
+from ..codegen import load_kernel
+from ..plans import CallProblem, Option
+from .base import Coefficient, PlanContext, Strategy, mm_ms
+from .common import RowLayout, add_matmul, flags, mm_fp32_out, softcap_arg
+
+__all__ = ["Fused", "STRATEGY", "extra_bytes", "cost", "block_rows"]
+
+
+def extra_bytes(p: CallProblem, row_block: int, dense_rows: bool = True) -> int:
+    """A block's fp32 logits and its gradient (and, rows not dense, its rows of E and of dE)."""
+    R = min(row_block, p.n)
+    b = R * p.V * (4 + p.elem)  # the block's fp32 logits and its gradient
+    if not dense_rows:
+        b += 2 * R * p.D * p.elem  # the block's rows of E gathered, its dE before the scatter
+    return b + 4 * p.V
+
+
+def cost(p: CallProblem, costs, row_block: int) -> float:
+    """Forward and backward together: three products (logits, dE, dC), slowed where a block of rows
+    is too short for cuBLAS to reuse each row of C it reads; the logit block's traffic (fp32 logits
+    written and read twice, g written and read twice); dC read and written once per block."""
+    R = max(1, min(row_block, p.n))
+    reuse = max(1.0, costs.flops_per_byte / R)
+    traffic = (12 + 3 * p.elem) * costs.flops_per_byte / (2 * p.D)
+    dc_traffic = p.elem * costs.flops_per_byte / R  # dC read and written once per block of rows
+    host = costs.block_ms * -(-p.n // R) / mm_ms(p, costs)
+    return max(1.5 * costs.products * reuse + traffic + dc_traffic, host)
+
+
+def block_rows(p: CallProblem, budget: int | None, dense_rows: bool = True) -> int | None:
+    """Rows per logit block of the fused strategy: all of them, else the most (a multiple of 16)
+    whose block fits ``budget``; None when not even 16 do."""
+    R = -(-p.n // 16) * 16
+    while budget is not None and R > 16 and extra_bytes(p, R, dense_rows) > budget:
+        R = max(16, (R // 2) // 16 * 16)
+    if budget is not None and extra_bytes(p, R, dense_rows) > budget:
+        return None
+    return min(R, p.n)
+
+
+class Fused(Strategy):
+    name = "fused"
+    template = "backward_fused.py.j2"
+    kernel_function = "cce_fused_grad_kernel"
+    in_forward = True
+    deterministic = True
+    coefficients = (
+        Coefficient("block_ms", 0.12, "host time per block of rows"),
+        Coefficient("fused_min_rows", 128, "fewest rows per block: below this cuBLAS reads C for each block of rows more "
+                    "than it computes", integer=True),
+        Coefficient("fused_block_v", 2048, "columns per step of the row kernel", integer=True),
+    )
+    space_rules = (
+        ("fused_without_filter_knobs", "filter_eps is not None and sort_vocab and not tile_map",
+         "the fused strategy computes every tile in the forward; filter, sort and map knobs change nothing for it "
+         "(pinned to the filtered default so that trials are not spent on identical kernels)"),
+    )
+    calibration = (("fused", False),)
+
+    def option(self, ctx: PlanContext) -> None:
+        return None  # (it runs in the forward: see forward_option)
+
+    def forward_option(self, p: CallProblem, costs, budget: int | None, dense_rows: bool = True,
+                       forced: bool = False) -> Option | None:
+        """The estimate of forward and backward together, with the most rows per block that fit
+        ``budget`` (None: not even 16 rows fit, or, unless ``forced``, fewer than the cost model's
+        ``fused_min_rows``)."""
+        R = block_rows(p, budget, dense_rows)
+        if R is None or (R < min(p.n, costs.fused_min_rows) and not forced):
+            return None
+        return Option(cost(p, costs, R), extra_bytes(p, R, dense_rows), sizes=dict(row_block=R))
+
+    def forward_cost(self, p: CallProblem, costs, plan) -> float:
+        return cost(p, costs, plan.row_block)
+
+    def run_forward(self, e, c, bias, rows: RowLayout, targets, coef, softcap, variant, plan, *,
+                    dc_dtype: torch.dtype | None = None, block_v: int = 2048):
+        """The forward of a loss whose gradient with respect to row i's logits is ``softmax * coef[i]
+        - onehot * coef[i]`` (times the softcap derivative): ``(lse, zt, dE, dC, dbias)`` (fp32 LSE
+        and target logits of the rows taking part; dE, dC, dbias shaped and typed like e, c, bias;
+        dbias None without a bias, dC in ``dc_dtype`` when given). Rows go in blocks of
+        ``plan.row_block``; the row kernel steps ``block_v`` columns at a time."""
+        row_block = plan.row_block
+        n, D = rows.n, e.shape[-1]
+        V = c.shape[0]
+        dev = e.device
+        e2 = e.reshape(-1, D)
+        dense = rows.dense_stride is not None and e2.shape[0] == n
+        row_idx = rows.row_index(D)
+        lse = torch.empty(n, dtype=torch.float32, device=dev)
+        zt = torch.empty(n, dtype=torch.float32, device=dev)
+        de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
+        de2 = de.view(-1, D)
+        dc = torch.zeros(c.shape, dtype=dc_dtype or c.dtype, device=dev)
+        dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
+        if n == 0:
+            return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None
+        R = max(1, min(row_block, n))
+        z = torch.empty((R, V), dtype=torch.float32, device=dev)
+        g = torch.empty((R, V), dtype=e.dtype, device=dev)
+        kernel = load_kernel(variant.replace(strategy=self.name), flags(e, c, bias, softcap, variant.block_d, rows))
+        for r0 in range(0, n, R):
+            r1 = min(n, r0 + R)
+            m = r1 - r0
+            e_blk = e2[r0:r1] if dense else e2[row_idx[r0:r1]]
+            mm_fp32_out(e_blk, c.T, z[:m])
+            kernel[(m,)](
+                z, bias if bias is not None else z, targets[r0:r1], coef[r0:r1], g, lse[r0:r1], zt[r0:r1],
+                V, z.stride(0), g.stride(0), softcap_arg(softcap),
+                BLOCK_V=block_v, num_warps=8,
+            )
+            g_blk = g[:m]
+            if dense:
+                torch.mm(g_blk, c, out=de2[r0:r1])
+            else:
+                de2[row_idx[r0:r1]] = g_blk @ c
+            add_matmul(dc, g_blk.T, e_blk)  # fp32 inside cuBLAS, one rounding per block of rows (none for fp32 dC)
+            if dbias is not None:
+                dbias += g_blk.sum(0, dtype=torch.float32)
+        return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None
+
+
+STRATEGY = Fused()
