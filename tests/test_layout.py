@@ -1,5 +1,6 @@
-"""The package's shape: a strategy is one module plus one line of the table, imports point one way,
-strategy names live in the strategies' modules, and plans are made only by the planner."""
+"""The package's shape: a strategy is one module plus one line of the table, imports point one way
+(what executes a plan does not import the planner), lazy imports say why, and strategy names live in
+the strategies' modules."""
 
 import ast
 import pathlib
@@ -10,7 +11,6 @@ import torch
 from cce_autotune import BackwardVariant, VariantError, linear_cross_entropy, strategies
 from cce_autotune.strategies import chunked
 from cce_autotune.strategies.base import Strategy
-from cce_autotune.tuner.space import load_space
 from helpers import grads_of, make_inputs, rel_err, torch_loss
 from test_loss import SMALL
 
@@ -43,9 +43,8 @@ def toy():
 
 
 def test_a_new_strategy_is_its_module_and_one_registration(toy, device, planned):
-    # The variant schema, the search space, the planner and the launch all find it through the table.
+    # The variant schema, the planner and the launch all find it through the table.
     BackwardVariant(strategy="toy").validate()
-    assert any(c.name == "toy_chunks" for c in load_space("backward").constraints)
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="toy", filter_eps=None))
     e, c, t, _ = make_inputs((2, 23), 130, 40, torch.float32, device=device)
     _, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, shift=1, impl="triton", variants=kv), e, c)
@@ -57,6 +56,13 @@ def test_a_new_strategy_is_its_module_and_one_registration(toy, device, planned)
     grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, impl="triton", variants=auto, deterministic=True), e, c)
     assert planned[-1].call.backward.strategy == "chunked"
     assert "toy" in [a[0] for a in planned[-1].call.backward.alternatives]
+
+
+def test_the_search_space_holds_a_new_strategys_rules(toy):
+    pytest.importorskip("optuna")  # (the tuner's package; a GPU image may lack it)
+    from cce_autotune.tuner.space import load_space
+
+    assert any(c.name == "toy_chunks" for c in load_space("backward").constraints)
 
 
 def test_an_unregistered_strategy_is_refused_by_name():
@@ -138,3 +144,13 @@ def test_strategy_names_are_written_only_in_their_modules():
             if isinstance(node, ast.Constant) and node.value in names:
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.value!r}")
     assert not found, found
+
+
+def test_the_launch_paths_hold_pytorch_itself_once_it_is_used(device):
+    # The strategies name torch through a stand-in that binds the module itself on first use: the
+    # launch paths pay no indirection per call.
+    from cce_autotune.strategies import common, forward, tiles
+
+    e, c, t, _ = make_inputs((8,), 40, 16, torch.float32, device=device)
+    linear_cross_entropy(e, c, t, impl="triton", variants=SMALL)
+    assert forward.torch is torch and common.torch is torch and tiles.torch is torch and chunked.torch is torch

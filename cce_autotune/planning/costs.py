@@ -59,8 +59,6 @@ class CostModel:
     ``CostModel(**values)`` takes the declared defaults for the names not given; an unknown name is a
     TypeError naming it."""
 
-    __slots__ = ("_values", "_hash")
-
     def __init__(self, **values):
         known = coefficients()
         unknown = sorted(set(values) - set(known))
@@ -69,14 +67,13 @@ class CostModel:
         merged = {name: c.default for name, c in known.items()}
         for name, v in values.items():
             merged[name] = _typed(known[name], v)
-        object.__setattr__(self, "_values", merged)
-        object.__setattr__(self, "_hash", hash(tuple(merged.items())))
+        # The coefficients as plain attributes (the planner reads them many times a call).
+        self.__dict__.update(merged)
+        self.__dict__["_values"] = merged
+        self.__dict__["_hash"] = hash(tuple(merged.items()))
 
     def __getattr__(self, name: str):
-        try:
-            return object.__getattribute__(self, "_values")[name]
-        except KeyError:
-            raise AttributeError(f"CostModel has no coefficient {name!r}") from None
+        raise AttributeError(f"CostModel has no coefficient {name!r}")
 
     def __setattr__(self, name, value):
         raise AttributeError("CostModel is immutable: use replace()")
