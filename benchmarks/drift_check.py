@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from cce_autotune import linear_cross_entropy, vocab_order
+from cce_autotune import linear_cross_entropy, memory
 from cce_autotune.bench import SHAPES, time_ms
 from cce_autotune.data import make_data
 
@@ -35,7 +35,7 @@ def main(name="gemma2", rel=0.01, reps=60):
         if drift:
             update()
         if cold:
-            vocab_order.clear()
+            memory.clear()
         linear_cross_entropy(e, c, t).backward()
 
     upd = time_ms(update, rep=reps)[1]

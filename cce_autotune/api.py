@@ -96,8 +96,8 @@ _OPTIONS = frozenset(option_names())
 
 def _autocast(e: torch.Tensor) -> torch.Tensor:
     """Inside a ``torch.autocast`` region, e in the autocast dtype, as autocast would hand it to the
-    classifier's matmul (a copy of e, n x D; the classifier is never copied: the kernels round its
-    tiles in registers)."""
+    classifier's matmul (a copy of e, n x D; the classifier is not cast here: the kernels convert it
+    to e's dtype a vocabulary chunk at a time, or whole when it fits one chunk)."""
     dev = e.device.type
     if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
@@ -118,7 +118,8 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
         e: (..., D) embeddings; float32, bfloat16 or float16. Any strides. Inside ``torch.autocast``
             it is cast to the autocast dtype, as for a matmul.
         c: (V, D) classifier: e's dtype, or float32 with 16-bit ``e`` (mixed precision: the kernels
-            round its tiles to e's dtype in registers, no copy of ``c``; dC comes back in float32).
+            convert it to e's dtype a vocabulary chunk at a time, or whole when it fits one chunk;
+            dC comes back in float32).
         targets: integer tensor shaped like ``e.shape[:-1]``; values in [0, V) or ``ignore_index``.
         bias: optional (V,) bias (any floating dtype; its gradient comes back in its dtype).
         token_weights: optional float tensor shaped like ``targets``: position i's loss is multiplied

@@ -13,8 +13,8 @@ import pytest
 
 from cce_autotune import paths
 from cce_autotune.configdb import dispatch
-from cce_autotune.planning import costs
 from cce_autotune.configdb.store import Entry, EntryKey
+from cce_autotune.planning import costs
 from cce_autotune.variant import KERNELS
 
 
@@ -52,3 +52,12 @@ def make_entry(kernel="backward", dtype="bf16", B=8192, V=32000, D=4096, median=
         device_name="NVIDIA H200",
         trials=10,
     )
+
+
+def run_cli(capsys, *argv):
+    """``cce-tune argv``: (exit status, stdout, stderr)."""
+    from cce_autotune import cli
+
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import sqlalchemy.exc
 import torch
 import yaml
-from conftest_tune import isolated  # noqa: F401
+from conftest_tune import (
+    isolated,  # noqa: F401
+    run_cli,
+)
 
 from cce_autotune import cli
-from cce_autotune.configdb import store as db
+from cce_autotune import tuner as tune
 from cce_autotune.configdb import dispatch
+from cce_autotune.configdb import store as db
 from cce_autotune.variant import KernelVariants
 
 
@@ -138,8 +143,8 @@ def test_usage_errors_name_the_argument(capsys, argv, message):
 
 
 def test_tune_on_an_activation_file_measures_the_costs_first(isolated, capsys, monkeypatch):
-    from cce_autotune.data import captured as activations
     from cce_autotune import tuner as tune
+    from cce_autotune.data import captured as activations
 
     g = torch.Generator().manual_seed(0)
     path = activations.save_activations(isolated["tmp"] / "acts.pt", torch.randn(40, 32, generator=g),
@@ -167,3 +172,63 @@ def test_tune_on_an_activation_file_measures_the_costs_first(isolated, capsys, m
     assert rc == 2 and "--vocab: [512] differs" in err
     rc, _, err = run(capsys, "--gpu", "h200", "--data", str(isolated["tmp"] / "none.pt"), "--dry-run")
     assert rc == 2 and "--data" in err
+
+
+# An unusable results folder or studies database is found before tuning, in one line.
+@pytest.mark.parametrize("case", ["notaurl", "foo://bar", "memory", "out"])
+def test_bad_out_and_storage_fail_early_in_one_line(case, isolated, capsys, monkeypatch):
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    argv = ["--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512", "--trials", "3",
+            "--kernels", "indexed_dot"]
+    if case == "out":
+        blocker = isolated["tmp"] / "a_file"
+        blocker.write_text("x")
+        argv += ["--out", str(blocker / "sub")]
+    else:
+        argv += ["--storage", {"memory": "sqlite://"}.get(case, case)]
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.strip() and "starting the" not in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert ("results folder" in err) if case == "out" else ("--storage" in err)
+    assert "studies" not in out  # nothing was tuned
+
+# Ctrl-C during the plan step: a line, exit status 130, no traceback.
+def test_ctrl_c_during_planning(isolated, capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune, "make_plan", interrupted)
+    rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "32000", "--dry-run")
+    assert rc == 130 and "interrupted" in err and "Traceback" not in err
+
+def test_unknown_gpu_in_a_dry_run_is_said(isolated, capsys):
+    rc, out, err = run_cli(capsys, "--gpu", "nonsense", "--vocab", "32000", "--hidden", "256", "--dry-run")
+    assert rc == 0 and "no GPU the alias table knows" in err
+
+def test_render_fp32_uses_the_fp32_defaults(capsys):
+    rc, out, _ = run_cli(capsys, "render", "backward", "--dtype", "fp32")
+    assert rc == 0 and "BLOCK_B=64" in out and "BLOCK_D=32" in out  # KernelVariants.defaults(elem_bytes=4)
+
+def test_a_failing_studies_database_or_results_disk_mid_run_is_one_line(isolated, capsys, monkeypatch):
+    # A full studies disk during the run: one line and exit status 3, no traceback; a results file
+    # that cannot be written: said, and the plan goes on.
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    argv = ["--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512", "--trials", "3",
+            "--kernels", "indexed_dot"]
+
+    def full(*a, **k):
+        raise sqlalchemy.exc.OperationalError("INSERT INTO trials", {}, Exception("database or disk is full"))
+
+    real = tune.run_plan
+    monkeypatch.setattr(tune, "run_plan", full)
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 3 and "disk is full" in err and "Traceback" not in err
+    monkeypatch.setattr(tune, "run_plan", real)
+
+    def no_space(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(db, "save_entries", no_space)
+    rc, out, err = run_cli(capsys, *argv)
+    assert "could not save" in err and "No space left on device" in err and "Traceback" not in err

@@ -2,6 +2,9 @@
 
 import jinja2
 import pytest
+import torch
+from helpers import make_inputs
+from test_loss import SMALL
 
 from cce_autotune import codegen
 from cce_autotune.codegen import Flags, load_kernel, render_source, source_key
@@ -93,3 +96,12 @@ def test_variant_validation_and_roundtrip():
             cls(**kw).validate()
     with pytest.raises(VariantError, match="unknown knob"):
         variant_from_dict({"kernel": "backward", "blok_b": 4})
+
+
+def test_changing_triton_interpret_after_import_is_explained(monkeypatch):
+    from cce_autotune import codegen
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if codegen._INTERPRET_AT_IMPORT else "1")
+    e, c, t, _ = make_inputs((5,), 40, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET .* when Triton was imported"):
+        codegen.load_kernel(SMALL.indexed_dot, codegen.Flags())

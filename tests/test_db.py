@@ -3,13 +3,16 @@ concurrent writers, and the GPU alias table."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
+import stat
 
 import pytest
 import yaml
-from conftest_tune import isolated, make_entry  # noqa: F401
+from conftest_tune import isolated, make_entry, run_cli  # noqa: F401
 
+from cce_autotune import codegen
 from cce_autotune.configdb import store as db
 
 
@@ -172,3 +175,49 @@ def test_shipped_h200_file_carries_the_cost_model():
 
     cfg = db.load_file(paths.resource_dir("tuned_configs") / "h200.yaml", expect_gpu="h200")
     assert cfg.cost_model and set(cfg.cost_model) - {"measured_on", "note"} <= set(costs.CostModel().to_dict())
+
+
+# The saved YAML keeps the existing file's mode, or follows the umask for a new one (not 0600).
+def test_saved_configs_keep_their_mode(isolated):
+    path = isolated["tmp"] / "h200.yaml"
+    old = os.umask(0o022)
+    try:
+        db.save_entries(path, [make_entry(median=1.0)], gpu="h200")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        path.chmod(0o640)
+        db.save_entries(path, [make_entry(median=0.5)], gpu="h200")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    finally:
+        os.umask(old)
+
+# A config file that is not UTF-8 is named in the error (API and cce-tune show).
+def test_non_utf8_config_is_named(isolated, capsys):
+    bad = isolated["config"] / "h200.yaml"
+    bad.write_bytes(b"schema_version: 1\ngpu: h200\n# \xff\xfe\n")
+    with pytest.raises(db.ConfigDBError, match="h200.yaml.*not UTF-8"):
+        db.load_file(bad)
+    rc, out, err = run_cli(capsys, "show", "--gpu", "h200")
+    assert rc == 1 and "h200.yaml" in err and "UTF-8" in err and "Traceback" not in err
+
+# An entry tuned on the current template replaces one tuned on an older template.
+def test_current_template_entry_wins_over_a_stale_one():
+    stale = make_entry(kernel="indexed_dot", median=1.0)  # template hash 0123456789abcdef
+    current = dataclasses.replace(make_entry(kernel="indexed_dot", median=1.05),
+                                  template_hash=codegen.template_hash("indexed_dot"))
+    merged, report = db.merge_entries([stale], [current])
+    assert merged == [current] and report.replaced
+    faster_stale = make_entry(kernel="indexed_dot", median=0.5)
+    merged, report = db.merge_entries([current], [faster_stale])
+    assert merged == [current] and report.kept
+
+def test_duplicate_yaml_keys_and_cut_files_are_refused(isolated):
+    path = isolated["tmp"] / "h200.yaml"
+    db.save_entries(path, [make_entry(kernel="indexed_dot"), make_entry(kernel="backward")], gpu="h200")
+    text = path.read_text()
+    assert "entry_count: 2" in text
+    dup = text.replace("gpu: h200\n", "gpu: h200\ngpu: h200\n", 1)
+    with pytest.raises(db.ConfigDBError, match="duplicate key 'gpu'"):
+        db.parse_config(dup, path)
+    cut = text[: text.rindex("\n- ")]  # the last entry lost at an entry boundary
+    with pytest.raises(db.ConfigDBError, match="entry_count is 2 but the file holds 1"):
+        db.parse_config(cut, path)

@@ -12,8 +12,8 @@ import torch
 from conftest_tune import isolated, make_entry  # noqa: F401
 
 from cce_autotune import codegen
-from cce_autotune.configdb import store as db
 from cce_autotune.configdb import dispatch
+from cce_autotune.configdb import store as db
 from cce_autotune.variant import KernelVariants
 
 
@@ -206,3 +206,24 @@ def test_packaged_h200_configs_load_and_are_used():
     why = dispatch.explain("h200", "bf16", 8192, 32768, 4096, smem_limit=232448)
     assert "exact match" in str(why) and "h200.yaml" in str(why)
     dispatch.clear_cache()
+
+
+# A broken config file is skipped with one warning (other folders still apply); the database can
+#    be switched off.
+def test_broken_lower_priority_config_is_skipped(isolated, monkeypatch):
+    from cce_autotune.configdb import dispatch
+
+    good = isolated["config"]
+    lower = isolated["cache"] / "tuned_configs"
+    lower.mkdir(parents=True)
+    (lower / "h200.yaml").write_text("schema_version: 1\ngpu: h200\nentries: [{broken\n")
+    entry = make_entry(kernel="indexed_dot", dtype="bf16", B=512, V=32000, D=256, block_b=16, block_d=64)
+    db.save_entries(good / "h200.yaml", [entry], gpu="h200")
+    dispatch.clear_cache()
+    with pytest.warns(UserWarning, match="skipping a tuned-config file"):
+        picked = dispatch.select("h200", "bf16", 512, 32000, 256, warn=False)
+    assert picked.indexed_dot == entry.variant
+    monkeypatch.setenv("CCE_AUTOTUNE_NO_CONFIGS", "1")
+    dispatch.clear_cache()
+    picked = dispatch.select("h200", "bf16", 512, 32000, 256, warn=False)
+    assert picked.indexed_dot != entry.variant  # the built-in default

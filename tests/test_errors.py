@@ -2,9 +2,13 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import DEVICE
+from conftest_tune import run_cli
+from helpers import make_inputs, rel_err
+from test_loss import SMALL
 
 from cce_autotune import KernelVariants, linear_cross_entropy
-from conftest import DEVICE
 
 V, D = 20, 8
 
@@ -85,3 +89,45 @@ def test_auto_on_cpu_uses_torch_path(monkeypatch):
     e, c, t = (x.cpu() for x in ok_inputs())
     loss = linear_cross_entropy(e, c, t, variants=KernelVariants())
     assert torch.isfinite(loss)
+
+
+# Second derivatives: refused clearly on both paths (the torch path used to return a wrong one).
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_double_backward_is_refused_clearly(impl, device):
+    e, c, t, _ = make_inputs((6,), 20, 16, torch.float32, device=device)
+    e.requires_grad_()
+    loss = linear_cross_entropy(e, c, t, impl=impl, variants=SMALL)
+    (g,) = torch.autograd.grad(loss, e, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivatives are not supported"):
+        torch.autograd.grad((g * g).sum(), e)
+
+# Unsigned targets: ignore_index=-100 must not wrap to 156 (class 156 silently ignored).
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_uint8_targets_compare_in_int64(impl, device):
+    e, c, _, _ = make_inputs((8,), 200, 16, torch.float32, device=device)
+    t = torch.tensor([156, 3, 156, 199, 0, 156, 7, 100], dtype=torch.uint8, device=device)
+    out = linear_cross_entropy(e, c, t, impl=impl, variants=SMALL)
+    ref = F.cross_entropy(e.double() @ c.double().T, t.long())
+    assert torch.isfinite(out) and rel_err(out, ref) < 1e-5
+
+# Smaller items.
+def test_float64_on_the_cpu_with_impl_auto():
+    e, c, t, _ = make_inputs((6,), 20, 16, torch.float64)
+    assert torch.equal(linear_cross_entropy(e, c, t), linear_cross_entropy(e, c, t, impl="torch"))
+
+def test_softcap_as_a_numpy_scalar_or_a_0d_tensor():
+    np = pytest.importorskip("numpy")
+    e, c, t, _ = make_inputs((6,), 20, 16, torch.float32)
+    ref = linear_cross_entropy(e, c, t, softcap=30.0)
+    for cap in (np.float32(30), torch.tensor(30.0)):
+        assert torch.equal(linear_cross_entropy(e, c, t, softcap=cap), ref)
+    with pytest.raises(ValueError, match="^softcap: "):
+        linear_cross_entropy(e, c, t, softcap=torch.ones(2))
+
+def test_error_prefixes_are_not_doubled(capsys):
+    e, c, t, _ = make_inputs((6,), 20, 16, torch.float32)
+    with pytest.raises(ValueError) as exc:
+        linear_cross_entropy(e, c, t, variants={"nonsense": {}})
+    assert str(exc.value).startswith("variants: ") and "variants: variants:" not in str(exc.value)
+    rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "0", "--dry-run")
+    assert rc == 2 and "--vocab: --vocab" not in err and "argument --vocab: expected positive integers" in err

@@ -4,7 +4,7 @@ plan shape it can produce run against the float64 oracle."""
 import pytest
 import torch
 
-from cce_autotune import BackwardVariant, KernelVariants, LSEForwardVariant, linear_cross_entropy, memory
+from cce_autotune import BackwardVariant, LSEForwardVariant, linear_cross_entropy, memory
 from cce_autotune.planning import budget as budgets
 from cce_autotune.planning import costs, explain, planner
 from cce_autotune.planning.budget import memory_budget, parse_bytes

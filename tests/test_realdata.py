@@ -1,4 +1,4 @@
-"""Real data (cce_autotune.realdata): the standard-library corpus, the small GPT trained on it, the
+"""Real data (cce_autotune.data.real): the standard-library corpus, the small GPT trained on it, the
 cached results, make_data("real"), and the benchmark's real-data options (CPU, tiny models)."""
 
 import math

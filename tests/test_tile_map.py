@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from cce_autotune import BackwardVariant, KernelVariants, LSEForwardVariant, linear_cross_entropy
+from cce_autotune import BackwardVariant, LSEForwardVariant, linear_cross_entropy
 from cce_autotune import memory
 from cce_autotune.planning import costs, filters, planner
 from cce_autotune.plans import CallProblem

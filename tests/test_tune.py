@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 
 import optuna
 import pytest
+import sqlalchemy.exc
 import torch
 from conftest_tune import isolated  # noqa: F401
 from optuna.trial import TrialState
 
-from cce_autotune.configdb import store as db
-from cce_autotune.configdb import dispatch
 from cce_autotune import tuner as tune
+from cce_autotune.configdb import dispatch
+from cce_autotune.configdb import store as db
 from cce_autotune.variant import BackwardVariant, KernelVariants
 
 SMALL = tune.TuningProblem(B=512, V=32000, D=256)
@@ -290,8 +294,8 @@ def test_tuning_data_kind_reaches_the_problem_and_the_study_name():
 def test_gpu_backend_times_the_training_call_sequence_and_checks_fixed_inputs(monkeypatch):
     # The backend's runner on CPU tensors (through the interpreter): timing moves its own copy of the
     # classifier between calls; the check runs on the fixed inputs its reference was computed on.
-    from cce_autotune.strategies.common import RowLayout
     from cce_autotune.data import lm_like
+    from cce_autotune.strategies.common import RowLayout
 
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -343,3 +347,46 @@ def test_a_study_starts_from_the_winner_of_the_neighbouring_bucket(isolated):
     tune.run_study(b, backend, url, warm_start=tune.sibling_best(b, [a, b], storage))
     warm = [t for t in _trials(b, url) if t.user_attrs.get("proposed") == "warm start"]
     assert len(warm) == 1 and tune.load_space("indexed_dot").variant(warm[0].params) == best
+
+
+PROBLEM = tune.TuningProblem(B=512, V=32000, D=256)
+
+# Several processes creating one fresh studies database: the loser of the race opens it again.
+def test_storage_creation_retries_a_lost_race(isolated, monkeypatch):
+    real, calls = tune._open_storage, []
+
+    def racing(url):
+        calls.append(url)
+        if len(calls) == 1:
+            raise sqlalchemy.exc.IntegrityError("INSERT INTO alembic_version", {}, Exception("UNIQUE constraint failed"))
+        return real(url)
+
+    monkeypatch.setattr(tune.study, "_open_storage", racing)  # where make_storage looks it up
+    storage = tune.make_storage(f"sqlite:///{isolated['tmp'] / 'race.db'}")
+    assert len(calls) == 2 and isinstance(storage, optuna.storages.RDBStorage)
+
+def test_concurrent_creation_of_one_database(isolated):
+    # Four processes open the same fresh database at once (the crash the issue saw in 2 of 4 runs).
+    url = f"sqlite:///{isolated['tmp'] / 'fresh.db'}"
+    code = f"from cce_autotune import tuner; tuner.make_storage({url!r}); print('ok')"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    results = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
+
+# A trial left RUNNING by a killed worker does not count against --trials.
+def test_trials_of_a_dead_worker_do_not_count(isolated):
+    url = f"sqlite:///{isolated['tmp'] / 'studies.db'}"
+    spec = tune.StudySpec("h200", "indexed_dot", PROBLEM, n_trials=5)
+    study = tune.open_study(spec, url)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    trial = study.ask(tune._distributions(tune.load_space(spec.kernel)))
+    trial.set_user_attr("measured", True)
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}:w0")
+    backend = tune.make_backend("fake")
+    stats = tune.run_study(spec, backend, url)
+    trials = study.get_trials()
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and t.user_attrs.get("measured")]
+    assert len(done) == 5, stats
+    assert study.get_trials()[0].state == TrialState.FAIL

@@ -23,7 +23,8 @@ strings); saving entries keeps it.
 Loading validates everything (a bad file raises :class:`ConfigDBError` naming the file and the
 problem). Saving is atomic (temp file + ``os.replace``) and locked (``fcntl.flock`` on a sidecar
 ``.lock`` file): the file is re-read under the lock and merged, so concurrent writers lose nothing, and
-a new result replaces an entry only when it is faster on the same key.
+a new result replaces a stored entry of the same key by :func:`merge_entries`' rule (tuned on the
+current template first, then on data closer to a user's, then the faster).
 
 This module knows YAML but not Optuna; it imports neither torch nor the tuner.
 """
