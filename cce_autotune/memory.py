@@ -7,9 +7,15 @@ about it serves the next:
   tiles are: :mod:`cce_autotune.tile_map`);
 - a pause: for a number of calls the forward neither walks nor maps (the planner found that
   filtering cannot pay for this classifier now);
-- the accuracy check's verdict: which candidate filter passed at the call's filter, for how many more
-  calls, and the dead-tile correction's direction when the filter needs it
-  (:mod:`cce_autotune.planning.accuracy`).
+- the accuracy check's verdicts: which candidate filter passed at the call's filter, for how many more
+  calls, the dead-tile correction's direction when the filter needs it
+  (:mod:`cce_autotune.planning.accuracy`), and a fingerprint of what it was measured on (the
+  classifier's content and the call's rows) so that only calls like the one measured reuse it; a
+  few per classifier, for the several losses that may share one (an auxiliary head, distillation).
+
+The orders and pauses are speed hints: any order gives exact results, a pause only filters less. A
+verdict changes what the backward computes, so the planner applies it only to a call whose
+fingerprint matches (:func:`cce_autotune.planning.planner.check_filter`).
 
 Records are keyed by the classifier's storage (device, data pointer, shape, strides, dtype), which an
 optimiser's in-place update keeps. At most :data:`MAX_ENTRIES` classifiers are remembered; the least
@@ -21,20 +27,34 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MAX_ENTRIES", "classifier_key", "order", "remember_order", "pause", "take_pause", "verdict",
-           "remember_verdict", "clear"]
+__all__ = ["MAX_ENTRIES", "MAX_VERDICTS", "Verdict", "classifier_key", "order", "remember_order", "pause", "take_pause",
+           "verdicts", "use_verdict", "remember_verdict", "clear"]
 
 MAX_ENTRIES = 8
+MAX_VERDICTS = 4  # per classifier (calls of different losses on one classifier each keep theirs)
+
+
+@dataclass
+class Verdict:
+    """One accuracy check's result for one classifier: at ``filter_eps``, candidate ``choice`` passed
+    (with the correction ``direction``, or None); ``calls`` more calls may reuse it; ``fingerprint``:
+    what it was measured on (opaque here: the planner makes and compares it)."""
+
+    filter_eps: float
+    choice: int
+    calls: int
+    direction: Any = None
+    fingerprint: Any = None
 
 
 @dataclass
 class _Record:
     order: Any = None  # (V,) int32 permutation: the vocabulary by descending average logit
     pause_left: int = 0  # calls left that neither walk nor map
-    verdict: list | None = None  # [filter_eps asked, candidate chosen, calls left, correction direction]
+    verdicts: list = field(default_factory=list)  # Verdict, most recent last
 
 
 _lock = threading.Lock()
@@ -93,26 +113,31 @@ def take_pause(c) -> bool:
         return True
 
 
-def verdict(c, filter_eps: float, correctable: bool = False) -> tuple | None:
-    """``(candidate index, direction or None)`` the accuracy check last chose for classifier ``c`` at
-    ``filter_eps`` (one call fewer left), or None when a check is due (none remembered, another filter
-    asked, a correction remembered that this call cannot take, or its calls used up). The direction
-    of the dead-tile correction stays as the check fitted it: the classifier moves slowly between
-    checks."""
+def verdicts(c, filter_eps: float, correctable: bool = False) -> list:
+    """The verdicts remembered for classifier ``c`` at ``filter_eps`` that a call may still reuse (calls
+    left; a correction only where ``correctable``), most recent first."""
     with _lock:
         rec = _record(c, create=False)
-        v = None if rec is None else rec.verdict
-        if v is None or v[0] != filter_eps or v[2] <= 0 or (v[3] is not None and not correctable):
-            return None
-        v[2] -= 1
-        return v[1], v[3]
+        if rec is None:
+            return []
+        return [v for v in reversed(rec.verdicts) if v.filter_eps == filter_eps and v.calls > 0
+                and (v.direction is None or correctable)]
 
 
-def remember_verdict(c, filter_eps: float, choice: int, calls: int, direction=None) -> None:
-    """Keep the check's ``choice`` (and the correction's ``direction``, if any) for the next ``calls``
-    calls of classifier ``c`` at ``filter_eps``."""
+def use_verdict(c, verdict: Verdict) -> None:
+    """One call fewer left for ``verdict`` (one of :func:`verdicts`)."""
     with _lock:
-        _record(c, create=True).verdict = [filter_eps, choice, calls, direction]
+        verdict.calls -= 1
+
+
+def remember_verdict(c, verdict: Verdict) -> None:
+    """Keep ``verdict`` for classifier ``c`` (used-up verdicts go; the oldest beyond
+    :data:`MAX_VERDICTS`)."""
+    with _lock:
+        rec = _record(c, create=True)
+        rec.verdicts = [v for v in rec.verdicts if v.calls > 0]
+        rec.verdicts.append(verdict)
+        del rec.verdicts[:-MAX_VERDICTS]
 
 
 def clear() -> None:

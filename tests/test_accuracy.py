@@ -357,3 +357,60 @@ def test_check_takes_the_correction_where_the_plain_filter_is_not_accurate(devic
     assert fixed < plain / 5
     _, (plan, d) = run(plain / 3, deterministic=True)  # no correction there: the call runs exact
     assert not plan.use_map and d is None
+
+
+# -- what is remembered is a hint: only calls like the one measured reuse a verdict ---------------
+def _mapped_call(e, c, t, kv, **kw):
+    ee = e.clone().requires_grad_()
+    linear_cross_entropy(ee, c, t, impl="triton", variants=kv, **kw).backward()
+    return ee.grad
+
+
+def test_another_classifier_at_the_same_storage_is_measured_afresh(device, monkeypatch, set_costs, planned):
+    # load_state_dict copies in place, and the caching allocator reuses addresses: the storage is the
+    # same, the classifier is not. Its verdict (and correction) must not carry over.
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=1.0, seed=5, device=device)
+    _, other, _, _ = make_inputs((64,), 512, 32, torch.float32, seed=9, device=device)
+    monkeypatch.setattr(filters, "MAX_ERROR", 1.0)  # every filter passes: the verdict is the call's own
+    set_costs(max_dropped=math.inf, pause_share=math.inf)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
+    cc = c.clone()
+    prime_order(cc, e, "sorted")
+    for _ in range(2):
+        _mapped_call(e, cc, t, kv)
+    assert planned[-2].call.checked and not planned[-1].call.checked  # measured, then reused
+    cc.copy_(other)  # another classifier, in place
+    _mapped_call(e, cc, t, kv)
+    assert planned[-1].call.checked, "a verdict measured on another classifier was reused"
+    _mapped_call(e, cc, t, kv)
+    assert not planned[-1].call.checked  # ... and its own verdict is reused in turn
+
+
+def test_two_losses_on_one_classifier_keep_their_own_verdicts(device, monkeypatch, set_costs, planned):
+    # An auxiliary loss on the same lm_head: its rows' softmax falls otherwise in the dead tiles, so
+    # the verdict measured on one loss's rows is never applied to the other's, and each keeps its own.
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=2.0, seed=5, device=device)
+    e2, _, t2, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.0, seed=6, device=device)
+    monkeypatch.setattr(filters, "MAX_ERROR", 1.0)
+    set_costs(max_dropped=math.inf, pause_share=math.inf)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
+    prime_order(c, e, "sorted")
+    measured = []
+    for rows, targets in ((e, t), (e2, t2), (e, t), (e2, t2), (e, t)):
+        _mapped_call(rows, c, targets, kv)
+        measured.append(bool(planned[-1].call.checked))
+    assert measured == [True, True, False, False, False], measured
+
+
+def test_first_and_paused_calls_filter_nothing(device, planned):
+    # Without a tile map nothing measures what a filter costs: the call runs exact (a tile kernel's own
+    # filter would skip tiles unchecked: dE 5.4e-2 at 2^-8).
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
+    tiles = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="tiles"))
+    exact = _mapped_call(e, c, t, tiles, filter_eps=None)
+    first = _mapped_call(e, c, t, tiles)
+    assert planned[-1].call.run_eps is None and "no tile map" in planned[-1].call.backward.reason
+    assert torch.equal(first, exact)
+    memory.pause(c, 1)
+    paused = _mapped_call(e, c, t, tiles)
+    assert planned[-1].call.run_eps is None and torch.equal(paused, exact)

@@ -39,7 +39,7 @@ from . import accuracy, explain, filters
 from .budget import memory_budget
 
 __all__ = ["choose_impl", "plan_call", "plan_forward", "plan_gradients", "plan_backward", "plan_fused",
-           "fused_allowed", "records_map", "check_filter", "decide", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
+           "fused_allowed", "records_map", "check_filter", "fingerprint", "decide", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
 
 
 # -- 1. the call ----------------------------------------------------------------------------------
@@ -226,11 +226,16 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
                         f"costs dE more than {filters.MAX_ERROR:g} (measured): exact")
         if direction is not None:
             measured = (measured + "; " if measured else "") + "the dead-tile correction (measured)"
+    elif eps is not None and filters.MAX_ERROR < float("inf"):
+        # No tile map (a classifier's first call, a paused one, a variant without the map): nothing
+        # measures what the filter would cost, so nothing is filtered.
+        eps = None
+        measured = "no tile map to check the filter against: exact"
     budget = memory_budget(max_extra_memory, p.grad_bytes, 4 * p.n_all * p.D)
     chosen, live, blocks, pause, reported = decide(p, bw, eps, tmap, ev.lse, budget=budget, costs=costs,
                                                    fused_allowed=fused_allowed, deterministic=plan.deterministic,
                                                    why=measured, correction=direction is not None)
-    measured_exact = measured is not None and eps is None
+    measured_exact = tmap is not None and plan.filter_eps is not None and eps is None  # the check's verdict: exact
     if measured_exact:
         pause = True  # the forward stops walking and mapping until the next check
     pause_calls = 0
@@ -243,7 +248,7 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
     strategy = strategies.get(chosen.strategy)
     if chosen.use_map:
         order = "map"  # the live grid is in the order the forward walked
-    elif strategy.skips_without_map and plan.forward.sort:
+    elif strategy.skips_without_map and plan.forward.sort and eps is not None:
         order = "sorted"  # the kernel's own filter skips more in a sorted order
     else:
         order = "natural"
@@ -260,25 +265,74 @@ def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, co
     """``(filter_eps, measured, direction)``: the filter the accuracy check chooses on the ladder below
     ``filter_eps`` (the rungs :data:`~cce_autotune.planning.filters.CHECK_RUNGS`, or ``rungs``) for a
     backward of (``block_b`` x ``block_v``) tiles that launches from ``ev.tile_map`` (None: even the
-    smallest costs too much, run exact); what it measured this call (nothing when the classifier's
-    remembered verdict applies: it is measured on a classifier's first mapped call and then every
-    ``costs.check_every`` calls); the dead-tile correction's direction when the chosen filter needs it
-    and ``correctable`` says the call can take it (else None). ``admissible(filter_eps) -> bool``: the
-    candidates that may run at all (the dropped-mass guard), None: all."""
+    smallest costs too much, run exact); what it measured this call (nothing when a remembered verdict
+    applies); the dead-tile correction's direction when the chosen filter needs it and ``correctable``
+    says the call can take it (else None). ``admissible(filter_eps) -> bool``: the candidates that may
+    run at all (the dropped-mass guard), None: all.
+
+    A verdict is measured on a classifier's first mapped call and reused for at most
+    ``costs.check_every`` calls, and only by a call like the one it was measured on
+    (:func:`fingerprint`): the same classifier, moved little, and rows and targets alike. So another
+    classifier at the same storage, one loaded in place, or another loss's rows on the same classifier
+    are measured afresh; up to :data:`cce_autotune.memory.MAX_VERDICTS` verdicts are kept per
+    classifier."""
     if not filters.MAX_ERROR < float("inf"):
         return filter_eps, (), None
     cands = filters.ladder(filter_eps, filters.CHECK_RUNGS if rungs is None else rungs)
-    hit = memory.verdict(ev.c, filter_eps, correctable)
-    if hit is not None:
-        return cands[hit[0]], (), hit[1]
+    stored = [v for v in memory.verdicts(ev.c, filter_eps, correctable) if v.choice < len(cands)]
+    now = fingerprint(ev, costs.check_rows) if stored else None
+    for v in stored:
+        if _alike(v.fingerprint, now):
+            memory.use_verdict(ev.c, v)
+            return cands[v.choice], (), v.direction
     index, measured, direction = accuracy.check(
         ev.e, ev.c, ev.bias, ev.rows, ev.targets, ev.lse, ev.softcap, ev.tile_map, block_b, block_v, cands,
         sample=costs.check_rows, max_bytes=costs.check_bytes, coef_s=ev.coef_s, coef_t=ev.coef_t,
         correctable=correctable, admissible=admissible, max_error=filters.MAX_ERROR, group=filters.GROUP)
     if index is None:  # (an exact verdict is not remembered: the classifier pauses instead)
         return None, measured, None
-    memory.remember_verdict(ev.c, filter_eps, index, costs.check_every, direction)
+    memory.remember_verdict(ev.c, memory.Verdict(filter_eps, index, costs.check_every, direction,
+                                                 now or fingerprint(ev, costs.check_rows)))
     return cands[index], measured, direction
+
+
+PROBES = 16  # classifier rows, and directions the rows' mean is projected on
+CLASSIFIER_DRIFT = 0.1  # the relative change of the classifier's probe a reused verdict allows
+ROWS_DRIFT = 0.25  # of the rows' mean's projections
+LOSS_DRIFT = 0.2  # and of the rows' mean loss (relative, at least 0.2 nats)
+
+
+def fingerprint(ev: Evidence, sample: int) -> tuple:
+    """What a verdict is measured on, in one host copy: ``(classifier, rows, loss)``. ``classifier``:
+    16 spread rows of the classifier, each projected on a fixed random direction (its content, which
+    moves little from one training step to the next); ``rows``: the mean of the check's sampled rows
+    (the rows with a gradient) projected on 16 fixed random directions; ``loss``: their mean loss
+    (LSE minus the target logit), which tells apart another loss's targets on the same rows."""
+    c, e = ev.c, ev.e
+    V, D = c.shape
+    g = torch.Generator().manual_seed(0)
+    directions = torch.randn(D, PROBES, generator=g).to(device=c.device, dtype=torch.float32)
+    probe_rows = torch.linspace(0, V - 1, min(V, PROBES), device=c.device).round().long()
+    classifier = c[probe_rows].float() @ directions[:, 0]
+    idx = accuracy.sample_rows(ev.rows.shape[0], sample).to(ev.rows.device)
+    valid = torch.isfinite(ev.lse[idx]).float()
+    n = valid.sum().clamp_min(1.0)
+    rows = (valid @ e.reshape(-1, D)[ev.rows[idx]].float()) / n @ directions
+    nll = torch.where(valid > 0, ev.lse[idx] - ev.tile_map.zt[idx].float(), 0.0).sum() / n
+    host = torch.cat([classifier, rows, nll.reshape(1)]).tolist()
+    k = classifier.shape[0]
+    return tuple(host[:k]), tuple(host[k:k + PROBES]), host[-1]
+
+
+def _drift(a, b) -> float:
+    return sum((x - y) ** 2 for x, y in zip(a, b)) ** 0.5 / max(sum(x * x for x in a) ** 0.5, 1e-30)
+
+
+def _alike(then, now) -> bool:
+    """Whether a call with fingerprint ``now`` may reuse a verdict measured with ``then``."""
+    (c0, r0, l0), (c1, r1, l1) = then, now
+    return (_drift(c0, c1) <= CLASSIFIER_DRIFT and _drift(r0, r1) <= ROWS_DRIFT
+            and abs(l0 - l1) <= LOSS_DRIFT * max(abs(l0), abs(l1), 1.0))
 
 
 def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | None, costs,
