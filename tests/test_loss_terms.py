@@ -232,3 +232,39 @@ def test_bad_arguments_name_the_argument(device):
         linear_cross_entropy(e.to(torch.bfloat16), c.to(torch.float16), t)
     with pytest.raises(TypeError, match="^c: "):
         linear_cross_entropy(e, c.to(torch.bfloat16), t)  # a classifier narrower than e
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_non_finite_values_at_ignored_positions_stay_out(impl, device):
+    # An all-padding sequence's token weights are 1/0 (inf or NaN) at its ignored positions, and an
+    # upstream gradient may be infinite there with reduction="none": both are selected out, not
+    # multiplied by zero, so the loss and every gradient stay finite, as PyTorch's.
+    e, c, t, _ = make_inputs((2, 9), 40, 16, torch.float32, device=device)
+    t = t.clone()
+    t[1] = -100  # the second sequence is padding
+    w = torch.ones(2, 9, device=device)
+    w[1] = float("inf")
+    w[1, 3] = float("nan")
+    kw = dict(impl=impl, variants=SMALL, filter_eps=None)
+    loss, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, token_weights=w, **kw), e, c)
+    ref, (re, rc) = grads_of(lambda e_, c_: terms_loss(e_, c_, t, token_weights=torch.where(t != -100, w, 0.0)),
+                             e.double(), c.double())
+    assert torch.isfinite(loss) and rel_err(loss.detach(), ref.detach()) < 1e-5
+    assert rel_err(ge, re) < 1e-5 and rel_err(gc, rc) < 1e-5
+    ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+    rows = linear_cross_entropy(ee, cc, t, reduction="none", **kw)
+    upstream = torch.ones_like(rows)
+    upstream[1] = float("inf")  # at the ignored rows only
+    rows.backward(upstream)
+    assert torch.isfinite(rows).all() and torch.isfinite(ee.grad).all() and torch.isfinite(cc.grad).all()
+    assert ee.grad[1].abs().max() == 0
+
+
+@pytest.mark.parametrize("softcap", [1e5, 1e6, 1e8])
+def test_large_softcaps_keep_the_logits(softcap, device):
+    # softcap * tanh(z / softcap) ~ z for a large softcap: tanh as 2 * sigmoid(2x) - 1 cancels there
+    # (every logit 0 at 1e8); the kernels' tanh keeps its relative accuracy near 0.
+    e, c, t, b = make_inputs((23,), 70, 16, torch.float32, bias=True, seed=5, device=device)
+    res = compare(e, c, t, b, torch.float32, impl="triton", softcap=softcap)
+    for name, (err, tol) in res.items():
+        assert err < 1e-5, (name, err, tol)

@@ -79,13 +79,14 @@ class Call:
         if grad_loss is None:
             g = torch.zeros(n, dtype=torch.float32, device=lse.device)
         elif o.reduction == "none":
-            g = grad_loss.reshape(-1).float() * self.weights
+            # (a select, not a product: an infinite incoming gradient at an ignored row stays out)
+            g = torch.where(self.valid, grad_loss.reshape(-1).float() * self.weights, 0.0)
         else:
-            g = grad_loss.float() * self.unit_coef()
+            g = torch.where(self.valid, grad_loss.float() * self.unit_coef(), 0.0)
         coef_t = g * (1.0 - o.label_smoothing) if o.label_smoothing else g
         coef_s = g * (1.0 + 2.0 * o.z_loss * lse) if o.z_loss else g
         if grad_lse is not None:
-            coef_s = coef_s + grad_lse.reshape(-1).float() * self.valid
+            coef_s = coef_s + torch.where(self.valid, grad_lse.reshape(-1).float(), 0.0)
         coef_u = g * (o.label_smoothing / self.V) if o.label_smoothing else None
         return coef_s.contiguous(), coef_t.contiguous(), coef_u
 
@@ -117,7 +118,9 @@ def prepare(e, c, targets, bias, token_weights, o: Options, impl: str) -> Call:
     tgt = torch.where(valid & (raw >= 0) & (raw < V), raw, 0).to(torch.int64)
     weights = valid.float()
     if token_weights is not None:
-        weights = weights * token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1).float()
+        # A select: the weight of an ignored position (NaN or inf where a padding sequence's weights
+        # are 1/0) never reaches the loss or the gradients.
+        weights = torch.where(valid, token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1).float(), 0.0)
     # Row of each prediction in e.reshape(-1, D).
     rows = _grid_offsets(shape, _contiguous_strides(batch), dev)
     layout = _row_layout(e, shape, rows) if impl == "triton" else None
