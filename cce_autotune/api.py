@@ -22,14 +22,22 @@ __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_tensors(e, c, targets, bias, token_weights, shift, impl):
-    """Types, shapes, dtypes and devices (no tensor values: traceable by torch.compile)."""
-    for name, t in (("e", e), ("c", c), ("targets", targets)):
+def _check_kinds(e, c, targets, bias, token_weights):
+    """Every tensor argument a dense tensor (before anything reads its device or dtype)."""
+    for name, t in (("e", e), ("c", c), ("targets", targets), ("bias", bias), ("token_weights", token_weights)):
+        if t is None and name in ("bias", "token_weights"):
+            continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("bias", bias), ("token_weights", token_weights)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+            optional = " or None" if name in ("bias", "token_weights") else ""
+            raise TypeError(f"{name}: expected a torch.Tensor{optional}, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}; convert it with "
+                            ".to_dense()")
+
+
+def _check_tensors(e, c, targets, bias, token_weights, shift, impl):
+    """Shapes, dtypes and devices (no tensor values: traceable by torch.compile); the kinds are
+    checked first (:func:`_check_kinds`)."""
     if e.dim() < 2:
         raise ValueError(f"e: expected shape (..., D) with at least one batch dimension, got {tuple(e.shape)}")
     if c.dim() != 2:
@@ -136,6 +144,7 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
     ``torch.compile(fullgraph=True)`` and runs on meta tensors (shapes only).
     """
     _unexpected("linear_cross_entropy", options)
+    _check_kinds(e, c, targets, bias, token_weights)
     e = _autocast(e)
     softcap = options.get("softcap")
     if isinstance(softcap, torch.Tensor):  # a 0-d tensor holding the cap (read once, on the host)
@@ -148,9 +157,9 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
         options = {**options, "variants": variants.json_text}
     shift, impl = options.get("shift", 0), options.get("impl", "auto")
     _check_tensors(e, c, targets, bias, token_weights, shift, impl)
-    if captured.active():  # a capture() block is open: save what this call sees (eager only)
-        captured.record(e, c, targets, bias, options.get("softcap"), options.get("ignore_index", -100), shift)
     encoded = _encode_options(**options)
+    if captured.active():  # a capture() block is open: save what this call sees (eager only; checked options)
+        captured.record(e, c, targets, bias, options.get("softcap"), options.get("ignore_index", -100), shift)
     needs_grad = torch.is_grad_enabled() and (
         e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad))
     if token_weights is not None:

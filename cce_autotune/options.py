@@ -93,6 +93,8 @@ class Options:
         ignore_index = o["ignore_index"]
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+        if not -2**63 <= ignore_index < 2**63:
+            raise ValueError(f"ignore_index: {ignore_index} is outside the int64 range the targets hold")
         filter_eps = o["filter_eps"]
         if filter_eps not in ("auto", None):
             if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not 0 < filter_eps < 1:
@@ -105,7 +107,10 @@ class Options:
             raise TypeError(f"deterministic: expected True, False or None, got {deterministic!r}")
         variants = o["variants"]
         if isinstance(variants, str):  # KernelVariants.json_text
-            variants = json.loads(variants)
+            try:
+                variants = json.loads(variants)
+            except ValueError as exc:
+                raise ValueError(f"variants: not valid JSON ({exc})") from None
         if variants is not None:
             if isinstance(variants, Mapping):
                 try:

@@ -44,6 +44,14 @@ def ok_inputs():
         (lambda e, c, t, kw: (e, c, t, {**kw, "variants": {"lse_forward": {"block_v": 100}}}), ValueError, "variants"),
         (lambda e, c, t, kw: (e, c, t, {**kw, "variants": {"nope": {}}}), ValueError, "variants"),
         (lambda e, c, t, kw: (e, c, t, {**kw, "variants": 3}), TypeError, "variants"),
+        (lambda e, c, t, kw: (e, c, t, {**kw, "variants": '{"backward": '}), ValueError, "variants"),
+        (lambda e, c, t, kw: (e.tolist(), c, t, kw), TypeError, "e"),
+        (lambda e, c, t, kw: (e.to_sparse(), c, t, kw), TypeError, "e"),
+        (lambda e, c, t, kw: (e, c.to_sparse(), t, kw), TypeError, "c"),
+        (lambda e, c, t, kw: (e, c, t, {**kw, "token_weights": torch.ones(t.shape, device=e.device).to_sparse()}),
+         TypeError, "token_weights"),
+        (lambda e, c, t, kw: (e, c, t, {**kw, "ignore_index": 2**70}), ValueError, "ignore_index"),
+        (lambda e, c, t, kw: (e, c, t, {**kw, "ignore_index": -2**63 - 1}), ValueError, "ignore_index"),
     ],
 )
 def test_bad_input_names_the_argument(mutate, exc, name, impl):
@@ -52,6 +60,16 @@ def test_bad_input_names_the_argument(mutate, exc, name, impl):
     with pytest.raises(exc) as info:
         linear_cross_entropy(e, c, t, **kw)
     assert str(info.value).startswith(name + ":"), str(info.value)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_kinds_are_checked_before_autocast(impl):
+    # Inside torch.autocast, e is cast before the call: a list or a sparse e must still be named.
+    e, c, t = ok_inputs()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        for bad in (e.tolist(), e.to_sparse()):
+            with pytest.raises(TypeError, match="^e: "):
+                linear_cross_entropy(bad, c, t, impl=impl)
 
 
 def test_targets_out_of_range_other_than_ignore_index():
