@@ -1,12 +1,14 @@
 """Captured activations: saved as a training step passes them, loaded, fitted to a token count, and
 read by the benchmark's and the tuner's data paths."""
 
+import warnings
+
 import pytest
 import torch
 
 from cce_autotune import bench, linear_cross_entropy
 from cce_autotune.data import captured as activations
-from cce_autotune.data import make_data
+from cce_autotune.data import file_dtype, make_data, resolve_data
 
 
 def _inputs(seed=0, T=7, V=40, D=16):
@@ -85,3 +87,100 @@ def test_bad_files_and_arguments_are_named(tmp_path):
         with activations.capture(tmp_path / "c.pt", calls=0):
             pass
     assert not (tmp_path / "b.pt").exists()
+
+
+def test_a_capture_never_breaks_the_call(tmp_path):
+    # Calls that cannot be saved run as without the capture, with a warning each (once per kind); the
+    # next call that can be saved is recorded instead.
+    e, c, t = _inputs()
+    ignored = torch.full_like(t, -100)
+    with pytest.warns(UserWarning, match="every target is ignore_index=-100 is not recorded"):
+        with activations.capture(tmp_path / "a.pt") as rec:
+            loss = linear_cross_entropy(e, c, ignored)
+            linear_cross_entropy(e, c, t)
+    torch.testing.assert_close(loss, linear_cross_entropy(e, c, ignored), equal_nan=True)
+    assert rec.saved == [tmp_path / "a.pt"] and activations.load_activations(rec.saved[0]).n == int((t != -100).sum())
+
+    with pytest.warns(UserWarning) as caught:
+        with activations.capture(tmp_path / "b.pt") as rec:
+            loss = linear_cross_entropy(e.double(), c.double(), t)
+            linear_cross_entropy(e.double(), c.double(), t)
+    torch.testing.assert_close(loss, linear_cross_entropy(e.double(), c.double(), t))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and "float64 call is not recorded" in messages[0]
+    assert "nothing was written: none of the 2" in messages[1] and rec.saved == []
+
+    (tmp_path / "file").write_text("")  # a failed write (here: a file where the folder should be)
+    with pytest.warns(UserWarning) as caught:
+        with activations.capture(tmp_path / "file" / "c.pt"):
+            assert torch.allclose(linear_cross_entropy(e, c, t), linear_cross_entropy(e, c, t))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and "could not be recorded (" in messages[0] and "the call itself goes on" in messages[0]
+    assert "none of the 2" in messages[1]
+
+
+def test_a_call_that_raises_for_its_options_writes_nothing(tmp_path):
+    # linear_cross_entropy records only after checking its options: a call that fails writes nothing.
+    e, c, t = _inputs()
+    for bad in (dict(softcap=-1.0), dict(softcap=0.0), dict(softcap=float("nan")), dict(reduction="avg")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            with activations.capture(tmp_path / "a.pt"):
+                linear_cross_entropy(e, c, t, **bad)
+        assert not (tmp_path / "a.pt").exists()
+
+
+def test_an_empty_capture_warns(tmp_path):
+    with pytest.warns(UserWarning, match="nothing was written: no linear_cross_entropy call.*model.train"):
+        with activations.capture(tmp_path / "a.pt") as rec:
+            pass
+    assert rec.saved == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(KeyError):  # a block that fails: its own error, no warning on top
+            with activations.capture(tmp_path / "a.pt"):
+                raise KeyError("x")
+
+
+@pytest.mark.parametrize("softcap", [float("nan"), float("inf"), 0.0, -30.0, "30"])
+def test_a_file_with_a_bad_softcap_is_refused(tmp_path, softcap):
+    e, c, t = _inputs()
+    path = activations.save_activations(tmp_path / "a.pt", e, c, t)
+    body = torch.load(path, weights_only=True)
+    body["softcap"] = softcap  # (the digest covers the tensors only)
+    torch.save(body, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=r"bad.pt: field 'softcap': expected a positive finite number"):
+        activations.load_activations(tmp_path / "bad.pt")
+    if not isinstance(softcap, str):
+        with pytest.raises(ValueError, match="softcap: expected a positive finite number"):
+            activations.save_activations(tmp_path / "b.pt", e, c, t, softcap=softcap)
+    assert not (tmp_path / "b.pt").exists()
+
+
+def test_data_values_that_name_nothing_say_no_such_file(tmp_path):
+    e, c, t = _inputs()
+    path = str(activations.save_activations(tmp_path / "a.pt", e, c, t))
+    assert resolve_data("lm") == "lm" and resolve_data(path) == path
+    missing = str(tmp_path / "missing.pt")
+    with pytest.raises(ValueError, match=f"--data: no such file: {missing}"):
+        resolve_data(missing)
+    with pytest.raises(ValueError, match="--data: 'lmm' is none of lm, real and no such file: lmm"):
+        resolve_data("lmm", kinds=("lm", "real"))
+    with pytest.raises(ValueError, match="not a file"):
+        resolve_data(str(tmp_path))
+    with pytest.raises(ValueError, match=f"data: no such file: {missing}"):
+        make_data(missing, 4, 40, 16)
+    with pytest.raises(ValueError, match="no such file: real2"):
+        make_data("real2", 4, 40, 16)
+    with pytest.raises(FileNotFoundError, match=f"no such file: {missing}"):
+        activations.load_activations(missing)
+
+
+def test_file_dtype_is_the_captured_calls(tmp_path):
+    # What cce-tune --data FILE plans for: the dtype the call ran in, not a default bf16.
+    e, c, t = _inputs()
+    assert file_dtype(str(activations.save_activations(tmp_path / "a.pt", e, c, t))) == "fp32"
+    with activations.capture(tmp_path / "b.pt") as rec, torch.autocast("cpu", dtype=torch.bfloat16):
+        linear_cross_entropy(e, c, t)  # the fp32 classifier with e cast by autocast
+    assert file_dtype(str(rec.saved[0])) == "bf16"
+    path = activations.save_activations(tmp_path / "h.pt", e.half(), c.half(), t)
+    assert file_dtype(str(path)) == "fp16"

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -161,10 +162,30 @@ def test_return_dict_false_and_positional_arguments():
     ids, labels = batch()
     out = model(ids, None, None, None, None, labels, return_dict=False, use_cache=False)
     expected = ref(ids, None, None, None, None, labels, return_dict=False, use_cache=False)
-    assert isinstance(out, tuple) and len(out) == 1  # (loss,): None fields are dropped, as HF does
+    # (loss, logits): None fields are dropped, as HF does, but the logits keep their place as None.
+    assert isinstance(out, tuple) and len(out) == len(expected) == 2 and out[1] is None
     torch.testing.assert_close(out[0], expected[0], rtol=RTOL, atol=0)
     with pytest.raises(TypeError, match="multiple values"):
         model(ids, input_ids=ids, labels=labels)
+
+
+def test_return_dict_false_keeps_the_unpatched_positions():
+    # With a cache and hidden states, the tuple is (loss, logits, cache, hidden_states) unpatched:
+    # out[1] must stay the (None) logits, not become the cache.
+    model, ref = patched_pair("llama")
+    model.train(), ref.train()
+    ids, labels = batch()
+    kwargs = dict(input_ids=ids, labels=labels, return_dict=False, use_cache=True, output_hidden_states=True)
+    out, expected = model(**kwargs), ref(**kwargs)
+    assert isinstance(out, tuple) and len(out) == len(expected) == 4
+    assert out[1] is None and expected[1] is not None
+    torch.testing.assert_close(out[0], expected[0], rtol=RTOL, atol=0)
+    assert type(out[2]) is type(expected[2]) and out[2].get_seq_length() == expected[2].get_seq_length()
+    for a, b in zip(out[3], expected[3]):
+        torch.testing.assert_close(a, b)
+    model.config.return_dict = False  # the config's setting, not the keyword: the same tuple
+    del kwargs["return_dict"]
+    assert len(model(**kwargs)) == 4 and model(**kwargs)[1] is None
 
 
 def test_decoder_outputs_are_carried():
@@ -361,6 +382,75 @@ def test_import_needs_no_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
+# -- PEFT (LoRA) ----------------------------------------------------------------------------------
+def lora_pair(targets, how):
+    """(model, ref, peft_model): the same tiny llama with the same LoRA adapter (random A and B, so
+    that it changes the logits) on ``targets``; only ``model`` is patched, ``how``: before
+    ``get_peft_model``, after it on the HF model, or by passing the PEFT model itself."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
+    ref = make_model("llama")
+    base = copy.deepcopy(ref)
+    torch.manual_seed(5)
+    ref = peft.get_peft_model(ref, config)
+    if how == "before":
+        patch(base)
+    torch.manual_seed(5)
+    wrapped = peft.get_peft_model(base, config)
+    if how == "after":
+        patch(wrapped.get_base_model())
+    elif how == "peft_model":
+        assert patch(wrapped) is wrapped
+    assert hf._patch_of(wrapped.get_base_model().forward) is not None
+    wrapped.train(), ref.train()
+    return wrapped, ref
+
+
+def assert_trainable_grads_match(model, ref):
+    named_ref = dict(ref.named_parameters())
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable
+    for name, p in trainable:
+        assert p.grad is not None and named_ref[name].grad is not None, name
+        torch.testing.assert_close(p.grad, named_ref[name].grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("how", ["before", "after", "peft_model"])
+def test_lora_on_lm_head_runs_the_models_own_loss(how, spy, monkeypatch):
+    # The fused loss reads lm_head.weight and would skip the adapter (another loss, no gradient for
+    # lora_A/lora_B); the original forward runs instead, with one warning saying why.
+    monkeypatch.setattr(hf, "_warned_heads", set(), raising=False)
+    model, ref = lora_pair(["lm_head", "q_proj"], how)
+    ids, labels = batch()
+    with pytest.warns(UserWarning, match=r"lm_head is a peft\..*not a plain torch.nn.Linear.*merge_and_unload"):
+        out = model(input_ids=ids, labels=labels)
+    expected = ref(input_ids=ids, labels=labels)
+    assert spy == [] and out.logits is not None
+    torch.testing.assert_close(out.loss, expected.loss, rtol=RTOL, atol=0)
+    out.loss.backward()
+    expected.loss.backward()
+    assert any("lm_head.lora_B" in name for name, p in model.named_parameters() if p.requires_grad)
+    assert_trainable_grads_match(model, ref)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=ids, labels=labels)
+    assert not [w for w in caught if "lm_head is" in str(w.message)]  # once per process
+
+
+@pytest.mark.parametrize("how", ["before", "peft_model"])
+def test_lora_on_other_modules_keeps_the_fused_loss(how, spy):
+    model, ref = lora_pair(["q_proj", "v_proj"], how)
+    ids, labels = batch()
+    out = model(input_ids=ids, labels=labels)
+    expected = ref(input_ids=ids, labels=labels)
+    assert len(spy) == 1 and out.logits is None
+    torch.testing.assert_close(out.loss, expected.loss, rtol=RTOL, atol=0)
+    out.loss.backward()
+    expected.loss.backward()
+    assert_trainable_grads_match(model, ref)
+    assert unpatch(model) is model and "forward" not in vars(model.get_base_model())
+
+
 def test_capture_activations_from_a_patched_training_step(tmp_path):
     # What cce-tune --data FILE tunes on, captured from a real (tiny) training step.
     from cce_autotune.data import captured as activations
@@ -376,3 +466,21 @@ def test_capture_activations_from_a_patched_training_step(tmp_path):
     assert torch.equal(acts.c, model.lm_head.weight.detach())
     again = cce_autotune.linear_cross_entropy(acts.e, acts.c, acts.targets, softcap=acts.softcap)
     assert torch.allclose(again, loss.detach(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["eval", "unpatched", "no_labels"])
+def test_capture_that_records_nothing_says_why(tmp_path, case):
+    # from_pretrained leaves a model in eval mode: the patched forward then runs the model's own loss,
+    # and the capture block ends empty; it must say so, and why.
+    model, ref = patched_pair("llama")
+    model.train(), ref.train()
+    if case == "eval":
+        model.eval()
+    ids, labels = batch()
+    why = {"eval": "the patched model ran its own forward because the model is in eval mode",
+           "unpatched": "must be patched.*in training mode.*called with labels",
+           "no_labels": "because it was called without labels"}[case]
+    with pytest.warns(UserWarning, match=f"capture\\(.*acts.pt\\): nothing was written.*{why}"):
+        with cce_autotune.capture_activations(tmp_path / "acts.pt") as rec:
+            (ref if case == "unpatched" else model)(input_ids=ids, labels=None if case == "no_labels" else labels)
+    assert rec.saved == [] and not (tmp_path / "acts.pt").exists()

@@ -9,7 +9,10 @@ own: ``cce-tune --data FILE`` and ``cce-bench --data FILE`` read a file written 
   per predicted token: ``e`` (n, D), ``targets`` (n,), all on the CPU, in the dtypes given.
 - :func:`capture` records the next call(s) of ``linear_cross_entropy`` in this process, including
   the calls the Hugging Face patch makes, without changing them: wrap one training step in it.
-  Eager mode only (a compiled graph does not call back into Python).
+  Eager mode only (a compiled graph does not call back into Python). Recording never breaks the
+  training call: a call that cannot be saved (every target ignored, float64, a failed write) is
+  skipped with a warning, and a block that saved nothing says why when it ends (a Hugging Face
+  model left in eval mode, not patched, or called without labels makes no such call).
 - :func:`load_activations` reads and checks a file; :func:`rows_for` fits it to a token count.
 
 The file is a ``torch.save`` dict (loaded with ``weights_only=True``) with a format tag and a
@@ -21,7 +24,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import math
+import numbers
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +100,16 @@ def _rows(e: torch.Tensor, targets: torch.Tensor, shift: int, ignore_index: int)
     return e[keep], targets[keep]
 
 
+def _softcap(value) -> float | None:
+    """The softcap as a float, or None; ValueError (without a prefix: callers name the source) unless
+    it is None or a positive finite number, as ``linear_cross_entropy`` requires."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"expected a positive finite number or None, got {value!r}")
+    return float(value)
+
+
 def save_activations(path, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, bias=None, *,
                      softcap: float | None = None, ignore_index: int = -100, shift: int = 0,
                      note: str = "") -> Path:
@@ -111,8 +127,10 @@ def save_activations(path, e: torch.Tensor, c: torch.Tensor, targets: torch.Tens
         raise TypeError(f"e, c: dtypes {e.dtype}, {c.dtype}: use float32, bfloat16 or float16")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (c.shape[0],)):
         raise ValueError(f"bias: expected a tensor of shape ({c.shape[0]},)")
-    if softcap is not None:
-        softcap = float(softcap)
+    try:
+        softcap = _softcap(softcap)
+    except ValueError as exc:
+        raise ValueError(f"softcap: {exc}") from None
     with torch.no_grad():
         rows, t = _rows(e.detach(), targets.detach(), shift, ignore_index)
         if rows.shape[0] == 0:
@@ -139,7 +157,7 @@ def load_activations(path) -> Activations:
     """Read and check an activation file; errors name the file and what is wrong."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--data: {path}: no such file")
+        raise FileNotFoundError(f"no such file: {path}")
     try:
         body = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -162,8 +180,11 @@ def load_activations(path) -> Activations:
     digest = _digest([e, c, t, bias])
     if digest != body.get("sha256"):
         raise ValueError(f"{path}: the tensors do not match the file's SHA-256 (the file is damaged or was edited)")
-    softcap = body.get("softcap")
-    return Activations(e, c, t, bias, None if softcap is None else float(softcap), digest, path, str(body.get("note", "")))
+    try:  # (not covered by the digest: a file must not hand the tuner a cap no call could use)
+        softcap = _softcap(body.get("softcap"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: field 'softcap': {exc}") from None
+    return Activations(e, c, t, bias, softcap, digest, path, str(body.get("note", "")))
 
 
 def rows_for(acts: Activations, B: int, dtype: torch.dtype | None = None, device="cpu"):
@@ -186,24 +207,61 @@ _active: list = []  # the open capture() recorders (checked by linear_cross_entr
 
 
 class _Recorder:
+    """One open :func:`capture` block: the files it wrote (``saved``), the calls it saw, and why a
+    patched model made none (``skips``), so that an empty block can say why."""
+
     def __init__(self, path: Path, calls: int, note: str):
         self.path, self.calls, self.note = path, calls, note
         self.saved: list[Path] = []
+        self.seen = 0  # linear_cross_entropy calls made inside the block
+        self.skips: dict[str, None] = {}  # (ordered set) why a patched model ran its own forward instead
+        self._warned: set[str] = set()
 
     def __call__(self, e, c, targets, bias, softcap, ignore_index, shift) -> None:
+        self.seen += 1
         if len(self.saved) >= self.calls:
             return
+        if e.dtype == torch.float64:
+            self.warn("float64", "a float64 call is not recorded: activation files hold float32, bfloat16 or "
+                      "float16, what the kernels are tuned for; the next call in one of those is recorded instead")
+            return
+        with torch.no_grad():
+            shifted = targets[..., shift:] if shift else targets
+            if not bool((shifted != ignore_index).any()):
+                self.warn("ignored", f"a call whose every target is ignore_index={ignore_index} is not recorded "
+                          "(no row to save); the next call is recorded instead")
+                return
         i = len(self.saved)
         path = self.path if self.calls == 1 else self.path.with_name(f"{self.path.stem}-{i}{self.path.suffix}")
         self.saved.append(save_activations(path, e, c, targets, bias, softcap=softcap, ignore_index=ignore_index,
                                            shift=shift, note=self.note))
+
+    def warn(self, kind: str, message: str, stacklevel: int = 5) -> None:
+        """Warn once per block and kind of skipped call (``stacklevel``: at linear_cross_entropy's caller)."""
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"cce_autotune capture({self.path}): {message}", stacklevel=stacklevel)
+
+    def why_empty(self) -> str:
+        """Why the block saved nothing, for the warning at its end."""
+        head = f"cce_autotune capture({self.path}): nothing was written"
+        if self.seen:
+            return (f"{head}: none of the {self.seen} linear_cross_entropy call(s) inside the block could be "
+                    "recorded (see the warnings before this one)")
+        head += ": no linear_cross_entropy call was made inside the block"
+        if self.skips:
+            return f"{head}; the patched model ran its own forward because {'; '.join(self.skips)}"
+        return (f"{head}. A Hugging Face model must be patched (cce_autotune.integrations.transformers.patch), "
+                "in training mode (model.train(): from_pretrained leaves it in eval mode) and called with labels")
 
 
 @contextlib.contextmanager
 def capture(path, *, calls: int = 1, note: str = ""):
     """Save the inputs of the next ``calls`` calls of ``linear_cross_entropy`` made inside the block
     (``path``, or ``<stem>-<i><suffix>`` for several). Yields a recorder whose ``saved`` lists the
-    files written. The calls themselves run unchanged.
+    files written. The calls themselves run unchanged: a call that cannot be recorded (every target
+    ignored, float64, a failed write) is skipped with a warning and the next one is recorded
+    instead, and a block that ends having written nothing warns with the reason.
 
         with cce_autotune.data.captured.capture("acts.pt"):
             loss = model(input_ids=x, labels=y).loss   # a patched Hugging Face model, or your own call
@@ -218,6 +276,8 @@ def capture(path, *, calls: int = 1, note: str = ""):
     finally:
         with _capture_lock:
             _active.remove(rec)
+    if not rec.saved:  # (not reached when the block raised: its error says enough)
+        warnings.warn(rec.why_empty(), stacklevel=3)
 
 
 capture_activations = capture  # the name ``cce_autotune`` exports
@@ -229,6 +289,19 @@ def active() -> bool:
 
 
 def record(e, c, targets, bias, softcap, ignore_index, shift) -> None:
-    """Called by ``linear_cross_entropy`` while a :func:`capture` block is open."""
+    """Called by ``linear_cross_entropy`` while a :func:`capture` block is open. A capture must never
+    break the training step it watches: whatever goes wrong while saving is a warning."""
     for rec in list(_active):
-        rec(e, c, targets, bias, softcap, ignore_index, shift)
+        try:
+            rec(e, c, targets, bias, softcap, ignore_index, shift)
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the call goes on
+            rec.warn("error", f"a call could not be recorded ({type(exc).__name__}: {exc}); the call itself "
+                     "goes on", stacklevel=4)
+
+
+def skipped(reason: str) -> None:
+    """Called by the Hugging Face patch when, inside a :func:`capture` block, it runs the model's own
+    forward (no ``linear_cross_entropy`` call to record): ``reason`` ends up in the empty block's
+    warning."""
+    for rec in list(_active):
+        rec.skips[reason] = None

@@ -4,8 +4,17 @@
 a family's ``XxxForCausalLM`` class named by a string) so that, in training mode and with ``labels``,
 the loss comes straight from the decoder's last hidden state and the ``lm_head`` weight, and the
 ``(batch, seq, vocab)`` logit tensor is never built. The output is the model's usual
-``CausalLMOutputWithPast`` with ``logits=None``. Without labels, or in eval mode (evaluation,
-``generate``), the original forward runs unchanged. ``unpatch(target)`` restores it.
+``CausalLMOutputWithPast`` with ``logits=None`` (with ``return_dict=False``, the tuple keeps the
+``None`` in the logits' place, so ``out[1]`` is never the cache). Without labels, or in eval mode
+(evaluation, ``generate``), the original forward runs unchanged. ``unpatch(target)`` restores it.
+
+The fused loss reads ``lm_head.weight`` (and ``bias``) instead of calling ``lm_head``, which is
+only the same thing for a plain ``torch.nn.Linear``. A head that computes something else (a PEFT
+LoRA layer on ``lm_head``, a quantized linear layer) would be skipped, changing the loss and leaving
+its adapter without a gradient; so each call checks the head, and for such a head the original
+forward computes the loss (exact, with the logit matrix) and a warning says so once. LoRA on the
+other modules keeps the fused loss. The check is per call, so it does not matter whether the model
+was patched before or after ``get_peft_model``, and ``patch`` accepts the PEFT model itself.
 
 The patched loss follows ``transformers``' ``ForCausalLMLoss`` exactly: position ``t`` predicts
 ``labels[..., t + 1]`` (or ``shift_labels[..., t]`` when that keyword is given), ``-100`` (or the
@@ -21,7 +30,7 @@ Example::
 
     model = AutoModelForCausalLM.from_pretrained(...)
     patch(model)                      # or patch("llama"), patch(LlamaForCausalLM), before loading
-    model.train()
+    model.train()                     # (from_pretrained leaves the model in eval mode)
     loss = model(input_ids=ids, labels=ids).loss
 """
 
@@ -31,11 +40,13 @@ import dataclasses
 import functools
 import inspect
 import types
+import warnings
 from typing import Any, Callable
 
 import torch
 
 from ..api import linear_cross_entropy
+from ..data import captured
 
 __all__ = ["patch", "unpatch", "FAMILIES"]
 
@@ -59,6 +70,7 @@ FAMILIES: dict[str, str] = {
 # linear_cross_entropy arguments the patched forward derives from the model and the call.
 _DERIVED_OPTIONS = ("shift", "softcap", "reduction", "ignore_index", "return_lse", "token_weights")
 _IGNORE_INDEX = -100  # transformers' default (ForCausalLMLoss)
+_warned_heads: set[type] = set()  # lm_head types the fallback to the original forward was shown for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +93,18 @@ def patch(target, **options):
         target: a model instance (only that instance is patched), a model class (its ``forward``
             is replaced for every instance), or a family name from :data:`FAMILIES` (that
             family's ``XxxForCausalLM`` class). Classes must be (subclasses of) those classes.
+            A PEFT model (``get_peft_model(model)``, anything with ``get_base_model()``) stands
+            for the ``transformers`` model it wraps, whose instance is patched: PEFT calls that
+            model's ``forward``. Patching before or after ``get_peft_model`` is the same.
         **options: passed on to :func:`linear_cross_entropy` (``impl``, ``filter_eps``,
             ``variants``, ``max_extra_memory``, ``label_smoothing``, ``z_loss``); the rest of its
             arguments come from the model and the call.
 
     Patching a patched target again replaces the previous patch (its options) rather than
     stacking a second one. With accelerate hooks (``device_map=...``) patch the class or family
-    before loading the model.
+    before loading the model. While ``lm_head`` is not a plain ``torch.nn.Linear`` (a LoRA adapter
+    on it), the model's own forward computes the loss (see the module docstring): merge the
+    adapter or leave ``lm_head`` out of ``target_modules`` to keep the fused loss.
 
     Returns:
         ``target``.
@@ -99,13 +116,15 @@ def patch(target, **options):
         _check_class(target)
         _patch_class(target, options)
     else:
-        _check_instance(target)
-        _patch_instance(target, options)
+        model = _unwrap(target)
+        _check_instance(model)
+        _patch_instance(model, options)
     return target
 
 
 def unpatch(target):
-    """Restore the original ``forward`` of ``target`` (instance, class or family name), if patched.
+    """Restore the original ``forward`` of ``target`` (instance, class, family name, or a PEFT
+    model: the model it wraps), if patched.
 
     Unpatching an instance leaves its class alone and vice versa. Returns ``target``.
     """
@@ -117,9 +136,10 @@ def unpatch(target):
         elif patched is not None:
             delattr(cls, "forward")
         return target
-    _check_instance(target)
-    if _patch_of(_instance_forward(target)) is not None:
-        del target.__dict__["forward"]
+    model = _unwrap(target)
+    _check_instance(model)
+    if _patch_of(_instance_forward(model)) is not None:
+        del model.__dict__["forward"]
     return target
 
 
@@ -139,6 +159,15 @@ def _cce_forward(self, patched: _Patch, args: tuple, kwargs: dict):
         or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
         or self.loss_function is not patched.causal_lm_loss  # a custom loss: keep the model's own
     ):
+        if captured.active():  # a capture block would otherwise end empty without saying why
+            captured.skipped(_why_original(self, patched, labels, logits_to_keep))
+        return patched.original(self, **kwargs)
+    head = self.lm_head
+    if not _plain_linear(head):  # e.g. a LoRA adapter on lm_head: only calling it gives its logits
+        if not torch.compiler.is_compiling():  # (a warning would break a fullgraph trace; eager says it)
+            _warn_head(self, head)
+        if captured.active():
+            captured.skipped(f"its lm_head is a {type(head).__name__}, not a plain torch.nn.Linear")
         return patched.original(self, **kwargs)
 
     # As can_return_tuple does for the original forward.
@@ -158,7 +187,6 @@ def _cce_forward(self, patched: _Patch, args: tuple, kwargs: dict):
     # position instead, which contributes nothing either way.
     targets, shift = (labels, 1) if shift_labels is None else (shift_labels, 0)
     softcap = getattr(self.config, "final_logit_softcapping", None)
-    head = self.lm_head
     loss = linear_cross_entropy(
         hidden,
         head.weight,
@@ -175,10 +203,46 @@ def _cce_forward(self, patched: _Patch, args: tuple, kwargs: dict):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
 
-    output = patched.output_cls(
-        loss=loss, logits=None, **{name: getattr(outputs, name, None) for name in patched.carried}
+    carried = {name: getattr(outputs, name, None) for name in patched.carried}
+    if not return_dict:
+        # As the original's to_tuple(), which drops the None fields, but the logits keep their
+        # place (None), so out[1] is where callers of the unpatched model find the logits.
+        return (loss, None, *(value for value in carried.values() if value is not None))
+    return patched.output_cls(loss=loss, logits=None, **carried)
+
+
+def _plain_linear(head) -> bool:
+    """Whether ``head(x)`` is ``x @ head.weight.T + head.bias``, what the fused loss computes from the
+    weights instead: a ``torch.nn.Linear`` (or a subclass) that keeps ``Linear.forward``. PEFT's
+    LoRA layer is no ``Linear``; a quantized subclass overrides ``forward``."""
+    return isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+
+
+def _warn_head(model, head) -> None:
+    """Say once per head type why this model's loss is not fused."""
+    kind = type(head)
+    if kind in _warned_heads:
+        return
+    _warned_heads.add(kind)
+    warnings.warn(
+        f"cce_autotune: {type(model).__name__}.lm_head is a {kind.__module__}.{kind.__qualname__}, not a plain "
+        "torch.nn.Linear (a LoRA adapter on lm_head?); the fused loss reads lm_head.weight and would skip what "
+        "the layer adds, so the model's own forward computes the loss, with the full logit matrix. Merge the "
+        "adapter (merge_and_unload) or leave lm_head out of target_modules to get the fused loss. "
+        "(shown once per process)",
+        stacklevel=4,
     )
-    return output if return_dict else output.to_tuple()
+
+
+def _why_original(model, patched: _Patch, labels, logits_to_keep) -> str:
+    """Why the patched forward ran the original one (for a capture block that saved nothing)."""
+    if labels is None:
+        return "it was called without labels"
+    if not model.training:
+        return "the model is in eval mode (from_pretrained leaves it there: call model.train())"
+    if model.loss_function is not patched.causal_lm_loss:
+        return "the model has a custom loss_function"
+    return f"it was called with logits_to_keep={logits_to_keep!r}"
 
 
 def _make_forward(original: Callable, options: dict[str, Any], owned: bool) -> Callable:
@@ -239,6 +303,13 @@ def _patch_instance(model, options: dict[str, Any]) -> None:
 
 def _instance_forward(model):
     return vars(model).get("forward")
+
+
+def _unwrap(target):
+    """The ``transformers`` model behind a PEFT model (``get_base_model()``), else ``target``."""
+    if callable(getattr(type(target), "get_base_model", None)):  # (looked up on the class: no import of peft)
+        return target.get_base_model()
+    return target
 
 
 def _family_class(name: str) -> type:
