@@ -3,8 +3,14 @@
 - Templates are Jinja2 (``templates/*.py.j2``) rendered with ``StrictUndefined``: a knob or flag the
   template uses but the caller did not pass is an error, never an empty string.
 - The rendered module is written to ``<cache>/kernels/<name>_<hash>.py`` (hash of the template
-  sources + knobs + flags) and imported from there, so Triton can read the kernel's source and its
-  own compile cache keys stay stable across processes.
+  sources + knobs + flags) for people to read, but never imported from there: each process renders
+  the source, checks the file against it (rewriting it when it differs) and executes the rendered
+  text itself, compiled in memory into a fresh module (no ``__pycache__``: a ``.pyc`` planted beside
+  the file is never read, and none is written). The text is registered in :mod:`linecache` under a
+  name that is not a file (``<cce_autotune PATH>``), so ``inspect`` and Triton read the kernel's
+  source from memory, never again from the disk, and Triton's compile cache keys (the source and its
+  line numbers) stay stable across processes. A cache folder that cannot be written (a file, a
+  read-only folder) costs one warning per folder and process: the kernels run from memory.
 - :func:`render_source` returns the text of any variant, for people to read (``cce-tune render``).
 
 A *variant* here is any object with the knobs of :mod:`cce_autotune.variant`'s kernel variants
@@ -15,12 +21,13 @@ Jinja, not the variants' schema (which reads the strategies' table, whose module
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
+import linecache
 import os
 import sys
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -162,7 +169,7 @@ def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp_", suffix=".py")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -211,13 +218,46 @@ def load_utility(template: str, function: str, **switches: bool):
     return getattr(_cached_module((template, tuple(sorted(switches.items()))), make), function)
 
 
-def _import_source(name: str, source: str) -> ModuleType:
-    path = cache_dir() / "kernels" / f"{name}.py"
-    if not path.exists() or path.read_text() != source:
+_unwritable: set = set()  # kernel folders already warned about
+
+
+def _cache_file(name: str, source: str) -> Path | None:
+    """``<cache>/kernels/<name>.py`` holding exactly ``source`` (written when missing or different), or
+    None when the cache cannot be written (one warning per folder and process)."""
+    folder = cache_dir(create=False) / "kernels"
+    path = folder / f"{name}.py"
+    try:
+        if path.read_text(encoding="utf-8") == source:
+            return path
+    except (OSError, UnicodeDecodeError):
+        pass  # missing, unreadable or not text: written below
+    try:
         _write_atomic(path, source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+    except OSError as exc:
+        if str(folder) not in _unwritable:  # (callers hold _lock: see _cached_module)
+            _unwritable.add(str(folder))
+            warnings.warn(f"cce_autotune: cannot write the kernel cache {folder} ({exc.strerror or exc}); the "
+                          "kernels are compiled from memory (set CCE_AUTOTUNE_CACHE_DIR to a writable folder)",
+                          stacklevel=2)
+        return None
+    return path
+
+
+def _import_source(name: str, source: str) -> ModuleType:
+    """A fresh module ``name`` executing ``source``: the rendered text itself, never a file or a
+    ``.pyc`` (the disk copy is only checked and rewritten for people to read)."""
+    path = _cache_file(name, source)
+    filename = f"<cce_autotune {path if path is not None else name + '.py'}>"
+    # Triton reads a @jit function's source with inspect (at decoration, and the interpreter again at
+    # its first call): from this entry. mtime None: linecache.checkcache keeps it; the name is not a
+    # file, so nothing ever reads it from the disk.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    code = compile(source, filename, "exec")
+    module = ModuleType(name)
+    sys.modules[name] = module  # (functions name it in __module__: pickling and inspect find it)
+    try:
+        exec(code, module.__dict__)  # noqa: S102 - the rendered template, as checked above
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     return module

@@ -24,11 +24,13 @@ def resource_dir(name: str) -> Path:
     raise FileNotFoundError(f"cce_autotune: data folder {name!r} not found beside or inside the package")
 
 
-def cache_dir() -> Path:
+def cache_dir(create: bool = True) -> Path:
     """User cache: rendered kernels, tuning studies, tuned configs written by ``cce-tune``.
 
     ``CCE_AUTOTUNE_CACHE_DIR`` overrides; otherwise ``$XDG_CACHE_HOME/cce_autotune`` or
-    ``~/.cache/cce_autotune``.
+    ``~/.cache/cce_autotune``. ``create``: make the folder (for writers; an error, e.g. the path is a
+    file or its parent is read-only, is raised). Readers pass ``create=False`` and get the path
+    whether or not it exists (the loss, ``cce-tune show`` and ``explain`` never create or need it).
     """
     env = os.environ.get("CCE_AUTOTUNE_CACHE_DIR")
     if env:
@@ -36,7 +38,8 @@ def cache_dir() -> Path:
     else:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         path = Path(base) / "cce_autotune"
-    path.mkdir(parents=True, exist_ok=True)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 

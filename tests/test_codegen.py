@@ -1,12 +1,20 @@
 """Templates render with StrictUndefined, every variant's source is readable, the disk cache works."""
 
+import errno
+import importlib.util
+import inspect
+import linecache
+import os
+import py_compile
+import warnings
+
 import jinja2
 import pytest
 import torch
-from helpers import make_inputs
+from helpers import make_inputs, rel_err, torch_loss
 from test_loss import SMALL
 
-from cce_autotune import codegen
+from cce_autotune import codegen, linear_cross_entropy
 from cce_autotune.codegen import Flags, load_kernel, render_source, source_key
 from cce_autotune.variant import (
     BackwardVariant,
@@ -106,3 +114,84 @@ def test_changing_triton_interpret_after_import_is_explained(monkeypatch):
     e, c, t, _ = make_inputs((5,), 40, 16, torch.float32)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET .* when Triton was imported"):
         codegen.load_kernel(SMALL.indexed_dot, codegen.Flags())
+
+
+def _fresh_kernel_cache(monkeypatch, cache):
+    """Kernels of this test load from ``cache``, none from this process's earlier tests."""
+    monkeypatch.setenv("CCE_AUTOTUNE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(codegen, "_modules", {})
+    monkeypatch.setattr(codegen, "_unwritable", set(), raising=False)
+
+
+def _small_loss(device, seed=0):
+    e, c, t, _ = make_inputs((6,), 40, 16, torch.float32, seed=seed, device=device)
+    got = linear_cross_entropy(e, c, t, impl="triton", variants=SMALL)
+    assert rel_err(got, torch_loss(e.double(), c.double(), t)) < 1e-4
+
+
+# Issue 21 item 7: the kernel cache executes only the rendered text it checked: a .pyc planted in
+# the cache's __pycache__ (valid for this interpreter, and unchecked against its source) never runs,
+# none is written, and Triton reads the kernel's source from memory, never from the disk again.
+def test_a_planted_pyc_in_the_kernel_cache_never_runs(tmp_path, monkeypatch, device):
+    cache = tmp_path / "cache"
+    _fresh_kernel_cache(monkeypatch, cache)
+    _small_loss(device)  # renders and writes every kernel the call needs
+    files = sorted((cache / "kernels").glob("*.py"))
+    assert files and not list(cache.rglob("*.pyc"))  # nothing imported through importlib
+    marker = tmp_path / "planted_code_ran"
+    for path in files:
+        evil = tmp_path / f"evil_{path.name}"
+        evil.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n" + path.read_text())
+        py_compile.compile(str(evil), cfile=importlib.util.cache_from_source(str(path)), dfile=str(path),
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH, doraise=True)
+    _fresh_kernel_cache(monkeypatch, cache)  # a later process: the files are there, with their .pyc
+    _small_loss(device, seed=1)
+    assert not marker.exists(), "a planted .pyc ran"
+    # The @jit function's source (what Triton hashes and the interpreter re-reads) is the rendered
+    # text, also after the file on disk changed and linecache re-checked its entries.
+    flags = Flags(interpret=codegen.interpreting())
+    kernel = load_kernel(SMALL.indexed_dot, flags)
+    source = render_source(SMALL.indexed_dot, flags)
+    name = f"cce_{SMALL.indexed_dot.kernel}_{source_key(SMALL.indexed_dot, flags)}"
+    path = cache / "kernels" / f"{name}.py"
+    assert path.read_text() == source
+    path.write_text(path.read_text().replace("def cce_indexed_dot_kernel(", "def tampered_kernel("))
+    linecache.checkcache()
+    assert inspect.getsource(kernel.fn) in source and "def cce_indexed_dot_kernel(" in inspect.getsource(kernel.fn)
+    assert not kernel.fn.__code__.co_filename.endswith(".py")  # a name that is not a file: never re-read
+    # A file that differs from the rendering is rewritten, and what runs is the rendering.
+    monkeypatch.setattr(codegen, "_modules", {})
+    assert "def cce_indexed_dot_kernel(" in inspect.getsource(load_kernel(SMALL.indexed_dot, flags).fn)
+    assert path.read_text() == source
+
+
+# Issue 21 item 12: a kernel cache that cannot be written (the path is a file, the folder is read-only)
+# costs one warning; the loss runs from memory.
+@pytest.mark.parametrize("how", ["file", "read-only", "chmod"])
+def test_an_unwritable_kernel_cache_warns_once_and_the_loss_runs(tmp_path, monkeypatch, device, how):
+    cache = tmp_path / "cache"
+    if how == "file":
+        cache.write_text("not a folder")
+    elif how == "read-only":  # (simulated: root may write anywhere)
+        def refuse(path, text):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+        monkeypatch.setattr(codegen, "_write_atomic", refuse)
+    else:
+        cache.mkdir()
+        cache.chmod(0o555)
+        if os.access(cache, os.W_OK):
+            cache.chmod(0o755)
+            pytest.skip("this process writes into a read-only folder (root)")
+    _fresh_kernel_cache(monkeypatch, cache)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _small_loss(device)
+            _small_loss(device, seed=1)
+    finally:
+        if how == "chmod":
+            cache.chmod(0o755)
+    said = [str(w.message) for w in caught if "kernel cache" in str(w.message)]
+    assert len(said) == 1 and str(cache) in said[0], said
+    assert not (cache.is_dir() and list(cache.rglob("*.py")))

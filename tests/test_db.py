@@ -3,6 +3,7 @@ concurrent writers, and the GPU alias table."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import multiprocessing
 import os
@@ -63,7 +64,7 @@ def _valid_doc():
         (lambda d: d["entries"][0]["key"].update(dtype="fp8"), "entries[0].key.dtype"),
         (lambda d: d["entries"][0]["key"].pop("V"), "missing ['V']"),
         (lambda d: d["entries"][0]["timing_ms"].update(median=-1), "entries[0].timing_ms.median"),
-        (lambda d: d["entries"].append(d["entries"][0]), "appears twice"),
+        (lambda d: d["entries"].append(copy.deepcopy(d["entries"][0])), "appears twice"),
         (lambda d: d.update(extra=1), "unknown top-level key(s) ['extra']"),
     ],
 )
@@ -106,7 +107,7 @@ def test_two_processes_writing_one_file_lose_nothing(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     keys = {e.key.B for e in db.load_file(path).entries}
     assert keys == set(range(1000, 1000 + n)) | set(range(2000, 2000 + n))
-    assert sorted(os.listdir(tmp_path)) == ["h200.yaml", "h200.yaml.lock"]
+    assert sorted(os.listdir(tmp_path)) == ["h200.yaml"]  # no temp file, and the lock removed with its release
 
 
 def test_alias_table_exact_then_substring_then_slug():
@@ -164,9 +165,8 @@ def test_cost_model_section_is_validated_kept_by_saves_and_read_by_the_planner(i
         db.load_file(path)
     doc["cost_model"] = {"tiles_per_liv": 6.5}
     path.write_text(yaml.safe_dump(doc))
-    dispatch.clear_cache()
-    with pytest.raises(ValueError, match=r"a100\.yaml: cost_model: unknown coefficient\(s\) \['tiles_per_liv'\]"):
-        dispatch.costs_for("a100")
+    with pytest.raises(db.ConfigDBError, match=r"a100\.yaml: cost_model: unknown coefficient\(s\) \['tiles_per_liv'\]"):
+        db.load_file(path)
 
 
 def test_shipped_h200_file_carries_the_cost_model():
@@ -221,3 +221,101 @@ def test_duplicate_yaml_keys_and_cut_files_are_refused(isolated):
     cut = text[: text.rindex("\n- ")]  # the last entry lost at an entry boundary
     with pytest.raises(db.ConfigDBError, match="entry_count is 2 but the file holds 1"):
         db.parse_config(cut, path)
+
+
+# Issue 21 item 8: nested YAML aliases (a "billion laughs": here 9^7 leaves from a few hundred bytes)
+# are refused at the first anchor, fast, naming the file; what a message shows of a value is short.
+def test_yaml_aliases_are_refused_fast_and_long_values_are_cut(tmp_path):
+    import time
+
+    levels = ['&l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for i in range(1, 7):
+        levels.append(f"&l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]")
+    bomb = tmp_path / "h200.yaml"
+    bomb.write_text("schema_version: [" + ", ".join(levels) + "]\ngpu: h200\nentries: []\n")
+    assert bomb.stat().st_size < 600
+    start = time.perf_counter()
+    with pytest.raises(db.ConfigDBError, match="anchors and aliases are not allowed") as err:
+        db.load_file(bomb)
+    assert time.perf_counter() - start < 1.0
+    assert str(bomb) in str(err.value) and len(str(err.value)) < 400
+    aliases = tmp_path / "aliases.yaml"
+    aliases.write_text("schema_version: 1\nexact: {a: &s h200, b: *s}\n")
+    with pytest.raises(db.ConfigDBError, match="anchors and aliases"):
+        db.load_aliases([aliases])
+    # Values far longer than a message shows: cut to their head and the reason.
+    doc = _valid_doc()
+    doc["schema_version"] = list(range(5000))
+    bad = tmp_path / "long.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(db.ConfigDBError, match=r"schema_version \[0, 1, 2") as err:
+        db.load_file(bad)
+    assert len(str(err.value)) < 400 and "is not supported" in str(err.value)
+    doc = _valid_doc()
+    doc["entries"][0]["variant"]["block_b"] = list(range(3000))
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(db.ConfigDBError, match=r"entries\[0\]\.variant: block_b=\[0, 1") as err:
+        db.load_file(bad)
+    assert len(str(err.value)) < 500 and "must be a power of two" in str(err.value)
+    # What the database writes has no anchor even where two entries share a value.
+    shared = make_entry(B=4096)
+    twin = dataclasses.replace(make_entry(B=8192), versions=shared.versions, timing_ms=shared.timing_ms)
+    db.save_entries(tmp_path / "h100.yaml", [shared, twin])
+    assert "&id" not in (tmp_path / "h100.yaml").read_text() and len(db.load_file(tmp_path / "h100.yaml").entries) == 2
+
+
+# Issue 21 item 10: an entry's knobs are bounded at load: a filter coarser than the accuracy check can
+# lower to the built-in filter is skipped with a warning naming the file and the entry; the others load.
+def test_an_entry_with_a_filter_beyond_the_bound_is_skipped(tmp_path):
+    from cce_autotune import paths
+    from cce_autotune.planning import filters
+    from cce_autotune.variant import BackwardVariant
+
+    # The bound: the coarsest filter the tuner tries, from which the check's ladder reaches the default.
+    space = yaml.safe_load((paths.resource_dir("search_spaces") / "backward.yaml").read_text())
+    assert db.MAX_FILTER_EPS == max(x for x in space["knobs"]["filter_eps"] if x is not None)
+    assert db.MAX_FILTER_EPS * filters.LADDER[-1] == BackwardVariant().filter_eps
+    path = tmp_path / "h200.yaml"
+    coarse = make_entry(B=4096, filter_eps=0.5)
+    edge = make_entry(B=8192, filter_eps=db.MAX_FILTER_EPS)
+    other = make_entry(kernel="indexed_dot", block_b=16)
+    path.write_text(yaml.safe_dump({"schema_version": 1, "gpu": "h200",
+                                    "entries": [coarse.to_dict(), edge.to_dict(), other.to_dict()]}))
+    with pytest.warns(UserWarning, match=r"h200\.yaml: skipping entries\[0\] \(backward bf16 B=4096 .*filter_eps=0\.5") as rec:
+        cfg = db.load_file(path, expect_gpu="h200")
+    assert str(path) in str(rec[0].message)
+    assert {e.key for e in cfg.entries} == {edge.key, other.key} and len(cfg.skipped) == 1
+
+
+BAD_COST_MODELS = [
+    ({"matmul_tflops": 0}, r"cost_model\.matmul_tflops: expected a positive finite number, got 0"),
+    ({"flops_per_byte": float("inf")}, r"cost_model\.flops_per_byte: expected a positive finite number"),
+    ({"tiles_per_live": 6.5, "tiles_per_bank": 2.0}, r"unknown coefficient\(s\) \['tiles_per_bank'\]"),
+    ({"pause_calls": 1.5}, r"cost_model\.pause_calls: expected a positive integer, got 1\.5"),
+    ({"row_group_min": 0}, r"cost_model\.row_group_min: expected a positive integer"),
+    ({"fused_block_v": 1000}, r"cost_model\.fused_block_v: expected a power of two"),
+    ({"note": 3}, r"cost_model\.note: expected a string"),
+]
+
+
+# Issue 21 item 11: the cost_model section is validated at load (known names, positive finite rates,
+# integer counts as integers); `show` and `merge` report a bad one in one line.
+@pytest.mark.parametrize("section, message", BAD_COST_MODELS, ids=lambda x: str(x)[:30])
+def test_a_bad_cost_model_section_is_refused_by_load_show_and_merge(isolated, capsys, section, message):
+    path = isolated["config"] / "a100.yaml"
+    doc = _valid_doc()
+    doc.update(gpu="a100", cost_model=section)
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(db.ConfigDBError, match=message) as err:
+        db.load_file(path)
+    assert str(path) in str(err.value)
+    rc, out, err = run_cli(capsys, "show", "--gpu", "a100")
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert str(path) in err and "cost_model" in err
+    merged = isolated["tmp"] / "merged.yaml"
+    rc, out, err = run_cli(capsys, "merge", str(path), "--out", str(merged))
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1 and "cost_model" in err
+    assert not merged.exists()
+    with pytest.raises(db.ConfigDBError, match="not written"):  # nor is such a section ever saved
+        db.save_entries(merged, [make_entry()], gpu="a100", cost_model=section)
+    assert not merged.exists()

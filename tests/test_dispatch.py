@@ -3,12 +3,16 @@ cached lookups, explain(), and a runtime path that never imports optuna."""
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest_tune import isolated, make_entry  # noqa: F401
 
 from cce_autotune import codegen
@@ -227,3 +231,119 @@ def test_broken_lower_priority_config_is_skipped(isolated, monkeypatch):
     dispatch.clear_cache()
     picked = dispatch.select("h200", "bf16", 512, 32000, 256, warn=False)
     assert picked.indexed_dot != entry.variant  # the built-in default
+
+
+# Issue 21 item 10, at run time: an entry whose filter is coarser than the bound, in any folder, is
+# skipped with a warning naming its file and entry; the file's other entries apply.
+def test_a_coarse_filter_entry_is_not_used_at_run_time(isolated):
+    path = isolated["config"] / "h200.yaml"
+    good = make_entry(kernel="indexed_dot", block_b=16)
+    path.write_text(yaml.safe_dump({"schema_version": 1, "gpu": "h200", "entries": [
+        make_entry(filter_eps=0.5, block_b=64).to_dict(), good.to_dict()]}))
+    with pytest.warns(UserWarning, match=r"skipping entries\[0\] \(backward bf16 B=8192.*filter_eps=0\.5") as rec:
+        picked = dispatch.select("h200", "bf16", 8192, 32000, 4096, warn=False)
+    assert any(str(path) in str(w.message) for w in rec)
+    assert picked.backward == KernelVariants().backward and picked.indexed_dot == good.variant
+
+
+# Issue 21 item 11, at run time: a cost_model section that does not validate (an unknown coefficient
+# of a newer file, a zero rate) is ignored with a warning: the loss runs on the built-in cost model and
+# the file's entries still apply.
+@pytest.mark.parametrize("section", [{"matmul_tflops": 0}, {"tiles_per_live": 6.5, "tiles_per_bank": 2.0},
+                                     {"row_group_min": 0}], ids=["zero-rate", "unknown", "zero-count"])
+def test_a_bad_cost_model_section_warns_and_the_loss_runs(isolated, monkeypatch, section, device):
+    from cce_autotune import linear_cross_entropy
+    from cce_autotune.planning import costs as cost_models
+    from cce_autotune.runtime import ops
+    from helpers import make_inputs, rel_err, torch_loss
+    from test_loss import SMALL
+
+    path = isolated["config"] / "a100.yaml"
+    entry = make_entry(kernel="indexed_dot", block_b=16)
+    path.write_text(yaml.safe_dump({"schema_version": 1, "gpu": "a100", "cost_model": section,
+                                    "entries": [entry.to_dict()]}))
+    monkeypatch.setenv("CCE_AUTOTUNE_GPU", "a100")
+    # The CPU path plans with the GPU's cost model, as a CUDA tensor's call does.
+    monkeypatch.setattr(ops, "_costs", lambda device: dispatch.costs_for(dispatch.gpu_slug(device)))
+    e, c, t, _ = make_inputs((6,), 40, 16, torch.float32, device=device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert dispatch.costs_for("a100") == cost_models.builtin("a100")
+        e.requires_grad_()
+        loss = linear_cross_entropy(e, c, t, impl="triton", variants=SMALL)
+        loss.backward()
+    said = [str(w.message) for w in caught if "cost_model" in str(w.message)]
+    assert said and all(str(path) in m for m in said), said
+    assert rel_err(loss.detach(), torch_loss(e.detach().double(), c.double(), t)) < 1e-4 and torch.isfinite(e.grad).all()
+    assert dispatch.select("a100", "bf16", 8192, 32000, 4096, warn=False).indexed_dot == entry.variant
+
+
+def _deny(monkeypatch, folder):
+    """Files under ``folder`` cannot be looked up, as in a mode-000 folder (root could read one)."""
+    real = os.stat
+    inside = str(folder) + os.sep
+
+    def stat(path, *args, **kwargs):
+        if os.fspath(path).startswith(inside):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+
+
+# Issue 21 item 12: a config folder that cannot be searched is skipped with one warning (loss, show,
+# explain); a cache folder that is a file, or cannot be created, is never created by a lookup.
+@pytest.mark.parametrize("how", ["simulated", "chmod"])
+def test_an_unsearchable_config_folder_is_skipped(isolated, monkeypatch, capsys, how):
+    from conftest_tune import run_cli
+
+    locked = isolated["tmp"] / "locked"
+    locked.mkdir()
+    db.save_entries(locked / "h200.yaml", [make_entry(block_b=32)])
+    db.save_entries(isolated["config"] / "h200.yaml", [make_entry(kernel="indexed_dot", block_b=16)])
+    monkeypatch.setenv("CCE_AUTOTUNE_CONFIG_DIR", os.pathsep.join([str(locked), str(isolated["config"])]))
+    if how == "chmod":
+        locked.chmod(0)
+        if os.access(locked, os.X_OK):
+            locked.chmod(0o755)
+            pytest.skip("this process reads a mode-000 folder (root)")
+    else:
+        _deny(monkeypatch, locked)
+    dispatch.clear_cache()
+    try:
+        with pytest.warns(UserWarning, match=f"skipping tuned-config folder {locked}: cannot search it"):
+            picked = dispatch.select("h200", "bf16", 8192, 32000, 4096, warn=False)
+        assert picked.indexed_dot.block_b == 16 and picked.backward == KernelVariants().backward
+        assert locked not in dispatch.config_search_path()
+        for argv in (["show", "--gpu", "h200"], ["explain", "--gpu", "h200", "--vocab", "32000", "--hidden", "4096"]):
+            dispatch.clear_cache()
+            with pytest.warns(UserWarning, match="skipping tuned-config folder"):
+                rc, out, err = run_cli(capsys, *argv)
+            assert rc == 0 and "Traceback" not in err, err
+    finally:
+        if how == "chmod":
+            locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("how", ["file", "cannot-create"])
+def test_lookups_never_create_the_cache_folder(isolated, monkeypatch, capsys, how):
+    from conftest_tune import run_cli
+
+    cache = isolated["tmp"] / "cache-here"
+    db.save_entries(isolated["config"] / "h200.yaml", [make_entry(kernel="indexed_dot", block_b=16)])
+    if how == "file":
+        cache.write_text("not a folder")
+    else:  # a read-only parent (simulated: root may write anywhere)
+        def refuse(self, *args, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+        monkeypatch.setattr(Path, "mkdir", refuse)
+    monkeypatch.setenv("CCE_AUTOTUNE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("CCE_AUTOTUNE_GPU", "h200")
+    dispatch.clear_cache()
+    assert _select()[0].indexed_dot.block_b == 16
+    assert dispatch.costs_for("h200") is not None and "h200" in str(dispatch.explain("h200", "bf16", 8192, 32000, 4096))
+    for argv in (["show", "--gpu", "h200"], ["explain", "--gpu", "h200", "--vocab", "32000", "--hidden", "4096"]):
+        rc, out, err = run_cli(capsys, *argv)
+        assert rc == 0 and "Traceback" not in err, err
+    assert cache.is_file() if how == "file" else not cache.exists()

@@ -12,6 +12,10 @@
   On CPU tensors without ``$CCE_AUTOTUNE_GPU`` the defaults are used silently.
 - Lookups are cached: after the first call for a key no file is read and no YAML is parsed again
   (:func:`clear_cache` forgets everything, e.g. after ``cce-tune`` wrote new results).
+- Nothing here raises for a file or folder the runtime cannot use: a folder that cannot be searched
+  (mode 000), a file that cannot be read or does not load, or a bad ``cost_model`` section is skipped
+  with one warning naming it (the entries of a file whose section is bad still apply), and the user
+  cache is never created by a lookup (a cache path that is a file or read-only costs nothing).
 
 Never imports optuna or torch at module level (the CLI's lookups stay instant).
 """
@@ -103,39 +107,83 @@ def configs_disabled() -> bool:
     return os.environ.get(ENV_NO_CONFIGS, "0") not in ("", "0")
 
 
-_skipped: set = set()  # files already warned about
+_skipped: set = set()  # files, folders and sections already warned about
+_files: dict[tuple, db.ConfigFile | None] = {}  # (path, slug, env) -> the loaded file or None
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _skipped:
+        _skipped.add(what)
+        warnings.warn(message, stacklevel=4)
 
 
 def _load_or_skip(path: Path, slug: str) -> db.ConfigFile | None:
-    """The config file, or None (one warning per file and process) when it cannot be read or
-    parsed: a broken file must not stop training, and other folders' entries still apply.
-    (``cce-tune show`` and saving report such a file as an error.)"""
+    """The config file (loaded once per process), or None (one warning per file and process) when it
+    cannot be read or parsed: a broken file must not stop training, and other folders' entries still
+    apply. A bad ``cost_model`` section, or an entry beyond the database's bounds, is left out of the
+    file with a warning and the rest applies. (``cce-tune show`` and saving report such a file, or
+    section, as an error.)"""
+    key = (str(path), slug, _env_key())
+    if key in _files:
+        return _files[key]
     try:
-        return db.load_file(path, expect_gpu=slug)
+        cfg = db.load_file(path, expect_gpu=slug, strict_cost_model=False)
     except db.ConfigDBError as exc:
-        if str(path) not in _skipped:
-            _skipped.add(str(path))
-            warnings.warn(f"cce_autotune: skipping a tuned-config file that does not load: {exc} "
-                          f"(set {ENV_NO_CONFIGS}=1 to read no config file)", stacklevel=3)
+        _warn_once(str(path), f"cce_autotune: skipping a tuned-config file that does not load: {exc} "
+                              f"(set {ENV_NO_CONFIGS}=1 to read no config file)")
+        cfg = None
+    _files[key] = cfg
+    return cfg
+
+
+def _unsearchable(folder: Path) -> str | None:
+    """Why the files of ``folder`` cannot be looked up (permissions), or None: they can, or there is
+    nothing there to look up (no such folder, or a file)."""
+    try:
+        os.stat(os.path.join(folder, "."))  # (resolving "folder/." needs the right to search it)
+    except PermissionError as exc:
+        return exc.strerror or str(exc)
+    except OSError:
         return None
+    return None
 
 
-def config_search_path() -> list[Path]:
-    """Folders searched for ``<slug>.yaml`` and ``aliases.yaml``, highest priority first."""
+def config_search_path(skipped: list | None = None) -> list[Path]:
+    """Folders searched for ``<slug>.yaml`` and ``aliases.yaml``, highest priority first. A folder
+    whose files cannot be looked up (no permission) is left out, with one warning per folder and
+    process; ``skipped``: a list that gets ``(folder, reason)`` for each (for ``cce-tune show``)."""
     dirs: list[Path] = []
     env = os.environ.get(ENV_CONFIG_DIR)
     if env:
         dirs += [Path(p) for p in env.split(os.pathsep) if p]
-    dirs.append(cache_dir() / "tuned_configs")
+    dirs.append(cache_dir(create=False) / "tuned_configs")  # (a lookup never creates the cache)
     try:
         dirs.append(resource_dir("tuned_configs"))
     except FileNotFoundError:  # pragma: no cover - broken install
         pass
     out = []
     for d in dirs:
-        if d not in out:
-            out.append(d)
+        if d in out:
+            continue
+        why = _unsearchable(d)
+        if why is not None:
+            _warn_once(f"folder {d}", f"cce_autotune: skipping tuned-config folder {d}: cannot search it ({why})")
+            if skipped is not None:
+                skipped.append((d, why))
+            continue
+        out.append(d)
     return out
+
+
+def _config_file(folder: Path, slug: str) -> Path | None:
+    """``folder/<slug>.yaml`` when it is a file (None also when it cannot even be looked up: warned)."""
+    path = folder / f"{slug}.yaml"
+    try:
+        return path if path.is_file() else None
+    except OSError as exc:
+        _warn_once(str(path), f"cce_autotune: skipping a tuned-config file that cannot be read: {path}: "
+                              f"{exc.strerror or exc}")
+        return None
 
 
 @lru_cache(maxsize=8)
@@ -237,8 +285,8 @@ def _load_entries(slug: str) -> list[tuple[db.Entry, Path]]:
     if configs_disabled():
         return []
     for d in config_search_path():
-        path = d / f"{slug}.yaml"
-        if not path.is_file():
+        path = _config_file(d, slug)
+        if path is None:
             continue
         cfg = _load_or_skip(path, slug)
         for entry in cfg.entries if cfg is not None else []:
@@ -269,13 +317,14 @@ _cost_cache: dict[tuple, dict | None] = {}
 
 def cost_model_for(slug: str) -> tuple[dict, Path] | None:
     """The planner's cost coefficients for GPU ``slug``: the ``cost_model`` section of the first
-    ``<slug>.yaml`` along the search path that has one, with its file; None without one."""
+    ``<slug>.yaml`` along the search path that has a valid one, with its file; None without one (a
+    bad section is passed over with a warning, as if the file had none)."""
     key = (slug, _env_key())
     if key not in _cost_cache:
         found = None
         for d in [] if configs_disabled() else config_search_path():
-            path = d / f"{slug}.yaml"
-            if path.is_file():
+            path = _config_file(d, slug)
+            if path is not None:
                 cfg = _load_or_skip(path, slug)
                 if cfg is not None and cfg.cost_model:
                     found = (cfg.cost_model, path)
@@ -291,7 +340,13 @@ def costs_for(gpu: str | None):
     coefficients, else the built-in ones (:mod:`cce_autotune.planning.costs`)."""
     if not gpu or gpu == CPU_SLUG:
         return cost_models.cost_model(None)
-    return cost_models.cost_model(gpu, *(cost_model_for(gpu) or (None, None)))
+    found = cost_model_for(gpu)
+    try:
+        return cost_models.cost_model(gpu, *(found or (None, None)))
+    except (ValueError, TypeError) as exc:  # (loading validates the section: a last net, the loss never raises)
+        _warn_once(f"cost_model {found[1] if found else gpu}",
+                   f"cce_autotune: ignoring a cost_model section: {exc}; the built-in cost model is used")
+        return cost_models.cost_model(gpu)
 
 
 def clear_cache() -> None:
@@ -301,6 +356,7 @@ def clear_cache() -> None:
         _entries_cache.clear()
         _select_cache.clear()
         _cost_cache.clear()
+        _files.clear()
         _alias_table.cache_clear()
         _device_slug.cache_clear()
         _skipped.clear()

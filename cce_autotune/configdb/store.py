@@ -5,7 +5,7 @@ One file per GPU slug::
     schema_version: 1
     gpu: h200
     entries:
-    - key: {kernel: backward, dtype: bf16, B: 8192, V: 256128, D: 2304, has_bias: false, has_softcap: false}
+    - key: {kernel: backward, dtype: bf16, B: 8192, V: 256000, D: 2304, has_bias: false, has_softcap: true}
       variant: {kernel: backward, num_warps: 8, num_stages: 3, block_b: 128, ...}   # variant.to_dict()
       timing_ms: {median: 20.1, p20: 20.0, p80: 20.3}
       default_ms: {median: 25.4, p20: 25.3, p80: 25.6}   # the built-in default, same run (null: it failed)
@@ -21,7 +21,13 @@ An optional top-level ``cost_model:`` mapping holds the planner's cost coefficie
 strings); saving entries keeps it.
 
 Loading validates everything (a bad file raises :class:`ConfigDBError` naming the file and the
-problem). Saving is atomic (temp file + ``os.replace``) and locked (``fcntl.flock`` on a sidecar
+problem): YAML anchors and aliases are refused (a few hundred bytes of nested aliases expand to
+gigabytes), messages show at most about 200 characters of a value, the ``cost_model`` section must
+name known coefficients with positive values (:func:`cce_autotune.planning.costs.check_section`;
+``strict_cost_model=False``, the runtime's way, ignores a bad section with a warning instead). An entry
+whose knobs are valid but beyond what the runtime may trust (a ``filter_eps`` coarser than
+:data:`MAX_FILTER_EPS`) is skipped with a warning naming the file and the entry, and the others load.
+Saving is atomic (temp file + ``os.replace``) and locked (``fcntl.flock`` on a sidecar
 ``.lock`` file): the file is re-read under the lock and merged, so concurrent writers lose nothing, and
 a new result replaces a stored entry of the same key by :func:`merge_entries`' rule (tuned on the
 current template first, then on data closer to a user's, then the faster).
@@ -35,9 +41,11 @@ import contextlib
 import math
 import os
 import re
+import reprlib
 import stat
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -45,6 +53,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import yaml
 
 from ..codegen import template_hash
+from ..planning import costs as cost_models
 from ..variant import KERNELS, VariantError, _Variant, variant_from_dict
 
 try:  # POSIX; elsewhere saves are atomic but not locked
@@ -55,6 +64,7 @@ except ImportError:  # pragma: no cover
 __all__ = [
     "SCHEMA_VERSION",
     "DTYPES",
+    "MAX_FILTER_EPS",
     "ConfigDBError",
     "EntryKey",
     "Entry",
@@ -73,6 +83,11 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 DTYPES = ("bf16", "fp16", "fp32")
+# The coarsest filter a tuned entry may carry. The accuracy check walks at most the ladder's last factor
+# (planning/filters.py: LADDER[-1] = 2^-8) below a call's filter, so from 2^-8 its lowest candidate is
+# the built-in 2^-16; it is also the coarsest value cce-tune's search space tries
+# (search_spaces/backward.yaml). A coarser entry (a hand edit, another tool) is skipped at load.
+MAX_FILTER_EPS = 2.0**-8
 _HEADER = (
     "# Tuned Cut Cross-Entropy kernel variants for one GPU, written by `cce-tune`.\n"
     "# Format: see cce_autotune/configdb/store.py (schema_version 1). Edit with care; `cce-tune show` explains lookups.\n"
@@ -84,8 +99,33 @@ class ConfigDBError(ValueError):
 
     def __init__(self, path: str | Path, problem: str):
         self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
+        self.problem = _clip(problem, 1000)
+        super().__init__(f"{self.path}: {self.problem}")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxdict = _REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = 16
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 120
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` in at most about ``limit`` characters, without building the whole repr (a value
+    of a file can be large): what validation messages show of a value."""
+    return _clip(_REPR.repr(value), limit)
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """``text`` cut in the middle to about ``limit`` characters (a message's head and tail stay: what the
+    value is and what it must be)."""
+    if len(text) <= limit:
+        return text
+    tail = limit // 3
+    return f"{text[:limit - tail]} ...({len(text) - limit} characters)... {text[-tail:]}"
+
+
+class _OutOfBounds(ValueError):
+    """An entry that is valid but beyond what the runtime may trust: skipped, not fatal."""
 
 
 # -- entries -----------------------------------------------------------------------------------
@@ -116,19 +156,19 @@ class EntryKey:
         unknown = sorted(set(data) - set(names))
         if missing or unknown:
             raise ValueError(f"{where}: " + "; ".join(
-                ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])
+                ([f"missing {missing}"] if missing else []) + ([f"unknown {_short(unknown)}"] if unknown else [])
             ))
         if data["kernel"] not in KERNELS:
-            raise ValueError(f"{where}.kernel: {data['kernel']!r} is not one of {sorted(KERNELS)}")
+            raise ValueError(f"{where}.kernel: {_short(data['kernel'])} is not one of {sorted(KERNELS)}")
         if data["dtype"] not in DTYPES:
-            raise ValueError(f"{where}.dtype: {data['dtype']!r} is not one of {list(DTYPES)}")
+            raise ValueError(f"{where}.dtype: {_short(data['dtype'])} is not one of {list(DTYPES)}")
         for n in ("B", "V", "D"):
             v = data[n]
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{where}.{n}: expected a positive integer, got {v!r}")
+                raise ValueError(f"{where}.{n}: expected a positive integer, got {_short(v)}")
         for n in ("has_bias", "has_softcap"):
             if not isinstance(data[n], bool):
-                raise ValueError(f"{where}.{n}: expected true or false, got {data[n]!r}")
+                raise ValueError(f"{where}.{n}: expected true or false, got {_short(data[n])}")
         return cls(**{n: data[n] for n in names})
 
     def describe(self) -> str:
@@ -139,12 +179,12 @@ class EntryKey:
 
 def _timing(data: Any, where: str) -> dict:
     if not isinstance(data, Mapping) or set(data) != {"median", "p20", "p80"}:
-        raise ValueError(f"{where}: expected {{median, p20, p80}} in milliseconds, got {data!r}")
+        raise ValueError(f"{where}: expected {{median, p20, p80}} in milliseconds, got {_short(data)}")
     out = {}
     for k in ("median", "p20", "p80"):
         v = data[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{where}.{k}: expected a positive number of milliseconds, got {v!r}")
+            raise ValueError(f"{where}.{k}: expected a positive number of milliseconds, got {_short(v)}")
         out[k] = float(v)
     return out
 
@@ -199,29 +239,30 @@ class Entry:
         missing = [n for n in required if n not in data]
         if missing:
             raise ValueError(f"{where}: missing {missing}")
-        unknown = sorted(set(data) - set(required) - set(optional))
+        unknown = sorted(map(str, set(data) - set(required) - set(optional)))
         if unknown:
-            raise ValueError(f"{where}: unknown field(s) {unknown}")
+            raise ValueError(f"{where}: unknown field(s) {_short(unknown)}")
         key = EntryKey.from_dict(data["key"], f"{where}.key")
         vdata = data["variant"]
         if not isinstance(vdata, Mapping):
             raise ValueError(f"{where}.variant: expected a mapping of knobs")
         if vdata.get("kernel", key.kernel) != key.kernel:
-            raise ValueError(f"{where}.variant: kernel {vdata.get('kernel')!r} differs from key kernel {key.kernel!r}")
+            raise ValueError(f"{where}.variant: kernel {_short(vdata.get('kernel'))} differs from key kernel "
+                             f"{key.kernel!r}")
         try:
             variant = variant_from_dict({"kernel": key.kernel, **vdata})
             variant.validate(elem_bytes=4 if key.dtype == "fp32" else 2, smem_limit=None)
         except (VariantError, TypeError) as exc:
-            raise ValueError(f"{where}.variant: {exc}") from None
+            raise ValueError(f"{where}.variant: {_clip(str(exc))}") from None
         for n in ("template_hash", "tuned_on"):
             if not isinstance(data[n], str) or not data[n]:
-                raise ValueError(f"{where}.{n}: expected a non-empty string, got {data[n]!r}")
+                raise ValueError(f"{where}.{n}: expected a non-empty string, got {_short(data[n])}")
         versions = data.get("versions", {}) or {}
         if not isinstance(versions, Mapping) or not all(isinstance(v, str) for v in versions.values()):
             raise ValueError(f"{where}.versions: expected a mapping of package -> version string")
         trials = data.get("trials", 0)
         if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
-            raise ValueError(f"{where}.trials: expected a non-negative integer, got {trials!r}")
+            raise ValueError(f"{where}.trials: expected a non-negative integer, got {_short(trials)}")
         device_name = data.get("device_name", "") or ""
         if not isinstance(device_name, str):
             raise ValueError(f"{where}.device_name: expected a string")
@@ -229,13 +270,26 @@ class Entry:
         if record is not None and not (isinstance(record, Mapping) and isinstance(record.get("kind"), str)
                                        and all(isinstance(v, (str, int, float)) for v in record.values())):
             raise ValueError(f"{where}.data: expected a mapping with a 'kind' (lm, real or file) and plain values")
-        return cls(
+        entry = cls(
             key=key, variant=variant,
             timing_ms=_timing(data["timing_ms"], f"{where}.timing_ms"),
             default_ms=_timing(data["default_ms"], f"{where}.default_ms") if data["default_ms"] is not None else None,
             template_hash=data["template_hash"], tuned_on=data["tuned_on"], versions=dict(versions),
             device_name=device_name, trials=trials, data=dict(record) if record is not None else None,
         )
+        entry.check_bounds(where)
+        return entry
+
+    def check_bounds(self, where: str = "entry") -> None:
+        """Raise (a ValueError) when the entry's knobs are valid but beyond what the runtime may trust
+        from a file: a backward ``filter_eps`` coarser than :data:`MAX_FILTER_EPS`. (The other knobs are
+        bounded by the variants' own validation: block sizes, warps and lock pools powers of two in
+        fixed ranges, stages 1-8, splits 1-4096, and the device's shared memory at lookup.)"""
+        eps = getattr(self.variant, "filter_eps", None)
+        if eps is not None and float(eps) > MAX_FILTER_EPS:
+            raise _OutOfBounds(f"{where} ({self.key.describe()}): filter_eps={eps:g} is coarser than "
+                               f"{MAX_FILTER_EPS:g} (2^-8), the coarsest filter a tuned entry may carry (the "
+                               "accuracy check cannot lower it far enough)")
 
 
 @dataclass
@@ -244,14 +298,30 @@ class ConfigFile:
     gpu: str
     entries: list  # of Entry, at most one per key
     cost_model: dict | None = None  # the planner's coefficients for this GPU (name -> number, provenance)
+    skipped: list = field(default_factory=list)  # what loading left out, one message each (also warned)
 
     def by_key(self) -> dict:
         return {e.key: e for e in self.entries}
 
 
+class _AliasRefused(yaml.YAMLError):
+    """A YAML anchor or alias: refused (see _StrictLoader)."""
+
+
 class _StrictLoader(yaml.SafeLoader):
     """yaml.safe_load that refuses a mapping with a repeated key (plain YAML keeps the last one
-    silently: a hand-merged file could lose an entry's knob without a word)."""
+    silently: a hand-merged file could lose an entry's knob without a word) and any anchor or alias
+    (``&a`` / ``*a``: a few hundred bytes of nested aliases expand to gigabytes; cce-tune never writes
+    them). The refusal comes at the first anchor, before anything is expanded."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
+            mark = event.start_mark
+            raise _AliasRefused(f"YAML anchors and aliases are not allowed (the {kind}{_clip(str(event.anchor), 60)} "
+                                f"at line {mark.line + 1}, column {mark.column + 1}): write the values out")
+        return super().compose_node(parent, index)
 
 
 def _unique_mapping(loader, node, deep=False):
@@ -263,7 +333,7 @@ def _unique_mapping(loader, node, deep=False):
         except TypeError:
             continue  # unhashable: construct_mapping reports it
         if repeated:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {_short(key)}", key_node.start_mark)
         seen.add(key)
     return yaml.SafeLoader.construct_mapping(loader, node, deep)
 
@@ -275,40 +345,66 @@ def _load_yaml(text: str):
     return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
 
 
-def parse_config(text: str, path: str | Path, expect_gpu: str | None = None) -> ConfigFile:
-    """Parse and validate the text of a config file; errors name ``path``."""
+class _NoAliasDumper(yaml.SafeDumper):
+    """safe_dump that writes every value out (an object met twice is never an anchor and an alias):
+    what it writes, _StrictLoader reads."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def _parse_yaml(text: str, path: str | Path):
     try:
-        data = _load_yaml(text)
+        return _load_yaml(text)
+    except _AliasRefused as exc:
+        raise ConfigDBError(path, str(exc)) from None
     except yaml.YAMLError as exc:
         raise ConfigDBError(path, f"not valid YAML: {exc}") from None
+
+
+def _skip(path, skipped: list, message: str) -> None:
+    skipped.append(message)
+    warnings.warn(f"cce_autotune: {path}: {message}", stacklevel=4)
+
+
+def parse_config(text: str, path: str | Path, expect_gpu: str | None = None, *,
+                 strict_cost_model: bool = True) -> ConfigFile:
+    """Parse and validate the text of a config file; errors name ``path``. An entry beyond the bounds
+    of :meth:`Entry.check_bounds` is skipped with a warning (the others load). ``strict_cost_model``:
+    a bad ``cost_model`` section is an error; False (the runtime): it is left out with a warning."""
+    data = _parse_yaml(text, path)
     if not isinstance(data, dict):
         raise ConfigDBError(path, "expected a mapping with schema_version, gpu and entries at the top")
     if "schema_version" not in data:
         raise ConfigDBError(path, f"missing schema_version (expected {SCHEMA_VERSION})")
     if data["schema_version"] != SCHEMA_VERSION:
         raise ConfigDBError(
-            path, f"schema_version {data['schema_version']!r} is not supported (this version reads {SCHEMA_VERSION})"
+            path, f"schema_version {_short(data['schema_version'])} is not supported (this version reads {SCHEMA_VERSION})"
         )
-    unknown = sorted(set(data) - {"schema_version", "gpu", "entries", "cost_model", "entry_count"})
+    unknown = sorted(map(str, set(data) - {"schema_version", "gpu", "entries", "cost_model", "entry_count"}))
     if unknown:
-        raise ConfigDBError(path, f"unknown top-level key(s) {unknown}")
+        raise ConfigDBError(path, f"unknown top-level key(s) {_short(unknown)}")
     gpu = data.get("gpu")
     if not isinstance(gpu, str) or not gpu:
         raise ConfigDBError(path, "gpu: expected the GPU slug as a non-empty string")
     if expect_gpu is not None and gpu != expect_gpu:
-        raise ConfigDBError(path, f"gpu: file is for {gpu!r} but is named for {expect_gpu!r}")
+        raise ConfigDBError(path, f"gpu: file is for {_short(gpu)} but is named for {expect_gpu!r}")
     raw = data.get("entries") or []
     if not isinstance(raw, list):
         raise ConfigDBError(path, "entries: expected a list")
     count = data.get("entry_count")
     if count is not None and count != len(raw):
         # Written above the entries by every save: a file cut short (a failed copy) keeps it.
-        raise ConfigDBError(path, f"entry_count is {count!r} but the file holds {len(raw)} entries: "
+        raise ConfigDBError(path, f"entry_count is {_short(count)} but the file holds {len(raw)} entries: "
                                   "the file was cut short or edited; restore it or fix entry_count")
     entries: dict[EntryKey, Entry] = {}
+    skipped: list = []
     for i, item in enumerate(raw):
         try:
             entry = Entry.from_dict(item, f"entries[{i}]")
+        except _OutOfBounds as exc:
+            _skip(path, skipped, f"skipping {exc}")
+            continue
         except ValueError as exc:
             raise ConfigDBError(path, str(exc)) from None
         if entry.key in entries:
@@ -317,34 +413,26 @@ def parse_config(text: str, path: str | Path, expect_gpu: str | None = None) -> 
     try:
         cost_model = _cost_model(data.get("cost_model"))
     except ValueError as exc:
-        raise ConfigDBError(path, str(exc)) from None
-    return ConfigFile(path=Path(path), gpu=gpu, entries=list(entries.values()), cost_model=cost_model)
-
-
-_COST_TEXT = ("measured_on", "note")
+        if strict_cost_model:
+            raise ConfigDBError(path, str(exc)) from None
+        cost_model = None
+        _skip(path, skipped, f"ignoring its cost_model section: {exc}")
+    return ConfigFile(path=Path(path), gpu=gpu, entries=list(entries.values()), cost_model=cost_model,
+                      skipped=skipped)
 
 
 def _cost_model(data: Any) -> dict | None:
-    """The ``cost_model`` section: coefficient names -> positive finite numbers, and the provenance
-    strings in _COST_TEXT (which coefficients exist is the planner's business)."""
+    """The ``cost_model`` section: known coefficient names -> positive finite numbers (positive integers
+    for the counts), and the provenance strings (see :func:`cce_autotune.planning.costs.check_section`)."""
     if data is None:
         return None
-    if not isinstance(data, Mapping):
-        raise ValueError("cost_model: expected a mapping of coefficient -> number")
-    out = {}
-    for k, v in data.items():
-        if k in _COST_TEXT:
-            if not isinstance(v, str):
-                raise ValueError(f"cost_model.{k}: expected a string, got {v!r}")
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"cost_model.{k}: expected a non-negative number, got {v!r}")
-        out[str(k)] = v
-    return out
+    return cost_models.check_section(data, _short)
 
 
-def load_file(path: str | Path, expect_gpu: str | None = None) -> ConfigFile:
-    """Read and validate one ``<slug>.yaml`` (``expect_gpu``: the slug its name promises)."""
-    return parse_config(_read_text(Path(path)), Path(path), expect_gpu)
+def load_file(path: str | Path, expect_gpu: str | None = None, *, strict_cost_model: bool = True) -> ConfigFile:
+    """Read and validate one ``<slug>.yaml`` (``expect_gpu``: the slug its name promises;
+    ``strict_cost_model``: see :func:`parse_config`)."""
+    return parse_config(_read_text(Path(path)), Path(path), expect_gpu, strict_cost_model=strict_cost_model)
 
 
 def _read_text(path: Path) -> str:
@@ -414,15 +502,30 @@ def _is_current(entry: Entry) -> bool:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
+    """Hold ``<path>.lock`` (beside the file, so that every writer of a shared folder meets it) and
+    remove it on release: a writer that opened the lock file before it was removed finds, once it
+    holds the lock, that the path now names another file (or none) and opens it afresh."""
     lock_path = path.with_name(path.name + ".lock")
-    with open(lock_path, "a+") as f:
-        if fcntl is not None:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    while True:
+        f = open(lock_path, "a+")
+        if fcntl is None:
+            break
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            if fcntl is not None:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            if os.fstat(f.fileno()).st_ino == os.stat(lock_path).st_ino:
+                break  # the lock file on disk is the one held
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        if fcntl is not None:
+            try:
+                os.unlink(lock_path)  # (while held: the next writer re-checks the path)
+            except FileNotFoundError:
+                pass
+        f.close()
 
 
 def _dump(gpu: str, entries: list, cost_model: dict | None = None) -> str:
@@ -431,7 +534,7 @@ def _dump(gpu: str, entries: list, cost_model: dict | None = None) -> str:
         body["cost_model"] = dict(cost_model)
     body["entry_count"] = len(entries)  # (lets a reader notice a file cut short at an entry boundary)
     body["entries"] = [e.to_dict() for e in entries]
-    return _HEADER + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=120)
+    return _HEADER + yaml.dump(body, Dumper=_NoAliasDumper, sort_keys=False, default_flow_style=None, width=120)
 
 
 _umask_lock = threading.Lock()
@@ -478,6 +581,11 @@ def save_entries(path: str | Path, entries: Iterable[Entry], gpu: str | None = N
     """
     path = Path(path)
     gpu = gpu or path.stem
+    if cost_model is not _KEEP and cost_model is not None:
+        try:  # (never write a section that loading would refuse)
+            cost_model = _cost_model(cost_model)
+        except ValueError as exc:
+            raise ConfigDBError(path, f"not written: {exc}") from None
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
         stored = load_file(path, expect_gpu=gpu) if path.exists() else None
@@ -540,7 +648,7 @@ def merge_files(paths: Iterable[str | Path], out: str | Path) -> FilesMerge:
     first = files[0]
     for f in files[1:]:
         if f.gpu != first.gpu:
-            raise ConfigDBError(f.path, f"GPU {f.gpu!r}, but {first.path} is for {first.gpu!r}: "
+            raise ConfigDBError(f.path, f"GPU {_short(f.gpu)}, but {first.path} is for {_short(first.gpu)}: "
                                         "merge files of one GPU only")
     merged: list = []
     sources: dict = {}
@@ -626,18 +734,15 @@ class AliasTable:
 
 
 def _parse_aliases(path: Path) -> AliasTable:
-    text = _read_text(path)
-    try:
-        data = _load_yaml(text)
-    except yaml.YAMLError as exc:
-        raise ConfigDBError(path, f"not valid YAML: {exc}") from None
+    data = _parse_yaml(_read_text(path), path)
     if not isinstance(data, dict):
         raise ConfigDBError(path, "expected a mapping with schema_version, exact, contains")
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise ConfigDBError(path, f"schema_version {data.get('schema_version')!r} is not supported (expected {SCHEMA_VERSION})")
-    unknown = sorted(set(data) - {"schema_version", "exact", "contains", "shared_memory"})
+        raise ConfigDBError(path, f"schema_version {_short(data.get('schema_version'))} is not supported "
+                                  f"(expected {SCHEMA_VERSION})")
+    unknown = sorted(map(str, set(data) - {"schema_version", "exact", "contains", "shared_memory"}))
     if unknown:
-        raise ConfigDBError(path, f"unknown top-level key(s) {unknown}")
+        raise ConfigDBError(path, f"unknown top-level key(s) {_short(unknown)}")
     exact = data.get("exact") or {}
     if not isinstance(exact, dict) or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in exact.items()):
         raise ConfigDBError(path, "exact: expected a mapping of device name -> slug (strings)")
@@ -657,10 +762,15 @@ def _parse_aliases(path: Path) -> AliasTable:
 
 
 def load_aliases(paths: Iterable[str | Path]) -> AliasTable:
-    """Merge the alias files that exist among ``paths`` (earlier files take precedence)."""
+    """Merge the alias files that exist among ``paths`` (earlier files take precedence); a file whose
+    folder cannot be searched is a :class:`ConfigDBError` naming it, as a file that cannot be read."""
     table = AliasTable()
     for p in paths:
         p = Path(p)
-        if p.is_file():
+        try:
+            exists = p.is_file()
+        except OSError as exc:
+            raise ConfigDBError(p, f"cannot read: {exc.strerror or exc}") from None
+        if exists:
             table = table.extend(_parse_aliases(p))
     return table

@@ -10,14 +10,16 @@ the planner through :func:`cost_model`.
 
 from __future__ import annotations
 
+import math
 import threading
 from functools import lru_cache
+from typing import Any, Callable, Mapping
 
 from .. import strategies
 from ..strategies.base import Coefficient
 
 __all__ = ["COMMON", "CostModel", "coefficients", "builtin", "cost_model", "set_cost_model", "forget_overrides",
-           "BUILTIN"]
+           "BUILTIN", "TEXT_FIELDS", "check_section"]
 
 MiB = 2**20
 
@@ -51,6 +53,44 @@ def coefficients() -> dict:
     for s in strategies.all_strategies():
         for c in s.coefficients:
             out.setdefault(c.name, c)
+    return out
+
+
+# Provenance strings a tuned-config file's cost_model section may carry beside the coefficients.
+TEXT_FIELDS = ("measured_on", "note")
+# Integer coefficients the kernels use as a block size (a power of two, and Triton's blocks are bounded).
+_POW2 = {"fused_block_v": (16, 65536)}
+
+
+def check_section(section: Any, show: Callable[[Any], str] = repr) -> dict:
+    """A tuned-config file's ``cost_model`` mapping, validated (ValueError naming the first problem,
+    ``cost_model.<name>: ...``): every name a coefficient of :func:`coefficients` or one of
+    :data:`TEXT_FIELDS` (strings); every coefficient a positive finite number, the integer ones
+    (counts, bytes, rows) positive integers, ``fused_block_v`` a power of two. What passes,
+    :class:`CostModel` and :func:`cost_model` take without raising, and no plan divides by zero or
+    loops forever on it. ``show`` formats a value for a message."""
+    if not isinstance(section, Mapping):
+        raise ValueError(f"cost_model: expected a mapping of coefficient -> number, got {show(section)}")
+    known = coefficients()
+    unknown = sorted(str(k) for k in section if k not in known and k not in TEXT_FIELDS)
+    if unknown:
+        raise ValueError(f"cost_model: unknown coefficient(s) {show(unknown)} (a file of a newer version?); "
+                         f"known: {sorted(known)}")
+    out = {}
+    for name, v in section.items():
+        if name in TEXT_FIELDS:
+            if not isinstance(v, str):
+                raise ValueError(f"cost_model.{name}: expected a string, got {show(v)}")
+        elif known[name].integer:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"cost_model.{name}: expected a positive integer, got {show(v)}")
+            if name in _POW2:
+                lo, hi = _POW2[name]
+                if v & (v - 1) or not lo <= v <= hi:
+                    raise ValueError(f"cost_model.{name}: expected a power of two in [{lo}, {hi}], got {show(v)}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"cost_model.{name}: expected a positive finite number, got {show(v)}")
+        out[str(name)] = v
     return out
 
 
