@@ -56,7 +56,7 @@ __all__ = ["SHAPES", "DEFAULT_SHAPES", "resolve_shapes", "parse_data", "time_ms"
            "check_train_shape", "run_train", "main"]
 
 SHAPES = {
-    "gemma2": (8192, 256128, 2304),
+    "gemma2": (8192, 256000, 2304),  # Gemma 2 2B (its softcap 30: --softcap 30)
     "llama3": (8192, 128256, 4096),
     "mistral": (8192, 32768, 4096),
     # Heads of the small GPTs trained on the standard library (cce_autotune.data.real).

@@ -5,6 +5,8 @@ from dataclasses import replace
 
 import pytest
 
+pytest.importorskip("optuna", reason="the tuner needs Optuna (not in the GPU image)")  # noqa: E402
+
 from cce_autotune.configdb import dispatch
 from cce_autotune.planning import costs
 from cce_autotune.tuner import calibrate

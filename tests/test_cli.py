@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("optuna", reason="the tuner needs Optuna (not in the GPU image)")  # noqa: E402
 import sqlalchemy.exc
 import torch
 import yaml
@@ -25,10 +27,10 @@ def run(capsys, *argv):
 
 
 def test_dry_run_prints_the_plan_without_a_gpu(isolated, capsys):
-    rc, out, err = run(capsys, "--gpu", "a100", "--vocab", "256128", "--tokens", "8192", "--dry-run")
+    rc, out, err = run(capsys, "--gpu", "a100", "--vocab", "262208", "--tokens", "8192", "--dry-run")
     assert rc == 0
     assert "cce-tune plan for GPU a100 (shared memory per block 166912 bytes)" in out
-    assert "V=256128 is Gemma-2 2B / 9B, tuning D=2304, 3584" in out  # --hidden defaulted, and said so
+    assert "V=262208 is Gemma 3 4B (D=2560), Gemma 3 12B (D=3840); tuning D=2560, 3840" in out  # --hidden defaulted
     for kernel in ("indexed_dot", "lse_forward", "backward"):
         assert kernel in out
     assert out.count("after rules, 50 trials") == 6
@@ -117,9 +119,16 @@ def test_render_prints_the_variant_source(capsys):
     assert rc == 0
     assert "def cce_backward_kernel(" in out
     assert "BLOCK_B=64" in out and "FILTER_EPS=None" in out and "NUM_STAGES=2" in out
-    # strategy=auto (the default) is decided per call by the planner; render shows its default, chunked
-    rc, out, _ = run(capsys, "render", "backward", "filter_eps=none")
-    assert rc == 0 and "def cce_grad_chunk_kernel(" in out and "STRATEGY=chunked" in out
+    # strategy=auto (the default) is decided per call by the planner: render says so in one line and
+    # shows the tiles strategy's kernel (the one the tiling knobs shape); strategy=chunked another
+    rc, out, err = run(capsys, "render", "backward", "filter_eps=none")
+    assert rc == 0 and "def cce_backward_kernel(" in out and "STRATEGY=tiles" in out
+    assert "cce_grad_chunk_kernel" not in out
+    notes = err.strip().splitlines()
+    assert len(notes) == 1 and "chosen per call" in notes[0] and "tiles" in notes[0]
+    assert "chunked, tiles, sparse, fused" in notes[0]  # the strategies strategy=NAME accepts
+    rc, out, err = run(capsys, "render", "backward", "strategy=chunked")
+    assert rc == 0 and "def cce_grad_chunk_kernel(" in out and "STRATEGY=chunked" in out and err == ""
     rc, out, _ = run(capsys, "render", "lse_forward", "merge=lock", "--bias", "--softcap")
     assert rc == 0 and "MERGE=lock" in out and "HAS_BIAS=True" in out and "HAS_SOFTCAP=True" in out
 
@@ -232,3 +241,185 @@ def test_a_failing_studies_database_or_results_disk_mid_run_is_one_line(isolated
     monkeypatch.setattr(db, "save_entries", no_space)
     rc, out, err = run_cli(capsys, *argv)
     assert "could not save" in err and "No space left on device" in err and "Traceback" not in err
+
+
+# -- issue 21 item 9: a storage URL is never shown with its password --------------------------------
+SECRET_URL = "postgresql://user:s3cret@127.0.0.1:1/studies"
+
+
+def test_a_storage_url_is_shown_without_its_password():
+    pytest.importorskip("optuna")
+    from cce_autotune import tuner
+
+    assert tuner.display_url(SECRET_URL) == "postgresql://user:***@127.0.0.1:1/studies"
+    assert tuner.display_url("postgresql://u%40x:s3%2Fcret@h/db") == "postgresql://u%40x:***@h/db"
+    assert tuner.display_url("sqlite:////tmp/my dir/studies.db") == "sqlite:////tmp/my dir/studies.db"  # as given
+    assert tuner.display_url("notaurl") == "notaurl"  # unparseable, no '@': as is
+    assert "s3cret" not in tuner.display_url("foo//user:s3cret@host/db")  # unparseable with '@': masked
+    assert tuner.hide_secrets(f"cannot connect to {SECRET_URL}: s3cret refused", SECRET_URL) == (
+        "cannot connect to postgresql://user:***@127.0.0.1:1/studies: *** refused")
+
+
+def test_a_storage_password_appears_in_no_output(isolated, capsys, monkeypatch):
+    # A server URL that cannot be opened here: one line, exit 2, the password nowhere.
+    pytest.importorskip("optuna")
+    from cce_autotune.tuner import study
+
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    argv = ["--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512", "--trials", "3",
+            "--kernels", "indexed_dot", "--out", str(isolated["tmp"] / "out"), "--no-calibrate"]
+    for url in (SECRET_URL, "foo//user:s3cret@host/db"):
+        rc, out, err = run_cli(capsys, *argv, "--storage", url)
+        lines = [line for line in err.splitlines() if line.strip() and "starting the" not in line]
+        assert rc == 2 and len(lines) == 1 and "--storage" in err, err
+        assert "s3cret" not in out + err
+    # The same URL, served by a SQLite file (SQLite takes no password): the run says where the
+    # studies are without it, and so does a database failing mid-run.
+    sqlite_url = f"sqlite:///{isolated['tmp'] / 'served.db'}"
+    real_open = study._open_storage
+    monkeypatch.setattr(study, "_open_storage", lambda url: real_open(sqlite_url if url == SECRET_URL else url))
+    rc, out, err = run_cli(capsys, *argv, "--storage", SECRET_URL)
+    assert rc == 0, err
+    assert "studies: postgresql://user:***@127.0.0.1:1/studies" in out
+    assert "s3cret" not in out + err
+
+    def fails(*a, **k):
+        raise optuna.exceptions.StorageInternalError(f"lost {SECRET_URL}")
+
+    import optuna
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", fails)
+    rc, out, err = run_cli(capsys, *argv, "--trials", "5", "--storage", SECRET_URL)
+    assert rc == 3 and "the studies database postgresql://user:***@127.0.0.1:1/studies failed" in err, err
+    assert "s3cret" not in out + err
+
+
+# -- issue 21 item 13: the studies database failing mid-run -------------------------------------------
+def test_the_studies_database_failing_mid_run_is_one_line(isolated, capsys, monkeypatch):
+    # Optuna wraps the driver's error of a commit in its own StorageInternalError: one line naming the
+    # database and the driver's reason, exit status 3 (as a lost GPU), no traceback.
+    pytest.importorskip("optuna")
+    import optuna
+    import sqlalchemy.exc
+
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    url = f"sqlite:///{isolated['tmp'] / 'studies.db'}"
+    real = optuna.storages.RDBStorage.set_trial_state_values
+    calls = []
+
+    def full_after_two(self, *a, **k):
+        calls.append(1)
+        if len(calls) > 2:
+            try:
+                raise sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("database or disk is full"))
+            except sqlalchemy.exc.OperationalError as exc:
+                raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", full_after_two)
+    rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512",
+                           "--trials", "6", "--kernels", "indexed_dot", "--storage", url, "--no-calibrate",
+                           "--out", str(isolated["tmp"] / "out"))
+    assert rc == 3, err
+    failure = [line for line in err.splitlines() if line.startswith("cce-tune:") and "starting the" not in line]
+    assert len(failure) == 1 and "Traceback" not in err
+    assert f"the studies database {url} failed: " in failure[0] and "database or disk is full" in failure[0]
+    assert "done:" not in out
+
+
+# -- issue 21 item 14: unsaved results and a swallowed Ctrl-C -----------------------------------------
+def test_results_that_could_not_be_saved_fail_the_run(isolated, capsys, monkeypatch):
+    # The results folder becomes unwritable after the first winner: the second is said not saved,
+    # the summary counts what was saved, and the status is non-zero.
+    pytest.importorskip("optuna")
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    real = db.save_entries
+    calls = []
+
+    def first_only(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            raise PermissionError(13, "Permission denied")
+        return real(*a, **k)
+
+    monkeypatch.setattr(db, "save_entries", first_only)
+    out_dir = isolated["tmp"] / "out"
+    rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512",
+                           "--trials", "3", "--kernels", "indexed_dot,lse_forward", "--out", str(out_dir))
+    assert rc == 3, err
+    assert f"done: 2 of 2 studies produced a winner; 1 saved to {out_dir / 'h200.yaml'}, 1 not" in out
+    summary = [line for line in err.splitlines() if line.startswith("cce-tune: not saved to")]
+    assert len(summary) == 1 and "lse_forward bf16 B=512" in summary[0] and "indexed_dot" not in summary[0]
+    assert len(db.load_file(out_dir / "h200.yaml").entries) == 1
+
+
+def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(isolated, capsys, monkeypatch):
+    # Ctrl-C lands in code that swallows KeyboardInterrupt (as a SQLAlchemy finalizer does): the run
+    # stops after the current trial all the same, with the interrupted status.
+    pytest.importorskip("optuna")
+    import signal
+
+    import optuna
+
+    monkeypatch.setenv("CCE_AUTOTUNE_BACKEND", "fake")
+    real = tune.FakeBackend.time
+    timed = []
+
+    def ctrl_c_swallowed(self, *a, **k):
+        timed.append(1)
+        if len(timed) == 2:
+            try:  # the handler Ctrl-C runs, called where a finalizer runs
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+            except KeyboardInterrupt:
+                pass  # swallowed
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(tune.FakeBackend, "time", ctrl_c_swallowed)
+    url = f"sqlite:///{isolated['tmp'] / 'studies.db'}"
+    rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512",
+                           "--trials", "8", "--kernels", "indexed_dot,lse_forward", "--storage", url,
+                           "--out", str(isolated["tmp"] / "out"))
+    assert rc == 130 and "interrupted; run the same command again to resume" in err, err
+    assert "done:" not in out
+    assert len(timed) == 2  # stopped after the trial it was pressed in
+    assert optuna.study.get_all_study_names(tune.make_storage(url)) == [
+        tune.StudySpec("h200", "indexed_dot", tune.TuningProblem(B=512, V=32000, D=256)).name]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+
+# -- issue 21 item 18: explain / show without a GPU, the default budget, merge's lock ----------------
+def test_dry_run_says_when_the_budget_is_the_default(isolated, capsys):
+    rc, out, _ = run_cli(capsys, "--gpu", "h200", "--vocab", "32000", "--hidden", "4096", "--tokens", "4096",
+                         "--kernels", "backward", "--dry-run")
+    assert rc == 0
+    assert "capped by the default budget of 8 minutes (--budget-minutes)" in out
+    assert "capped by --budget-minutes" not in out
+
+
+def test_explain_and_show_without_a_gpu_say_which_gpu_they_plan_for(isolated, capsys, monkeypatch):
+    monkeypatch.setattr(dispatch, "gpu_slug", lambda device=None: dispatch.CPU_SLUG)  # (a machine without a GPU)
+    rc, out, err = run_cli(capsys, "explain", "--vocab", "32000", "--hidden", "4096", "--tokens", "8192",
+                           "--live", "0.5")
+    assert rc == 0, err
+    assert err.count("\n") == 1 and "no GPU detected" in err and "--gpu h200" in err
+    assert "GPU h200, bf16, B=8192" in out and "GPU cpu" not in out
+    rc, out, err = run_cli(capsys, "show")
+    assert rc == 0 and err.count("\n") == 1 and "no GPU detected" in err and "--gpu h200" in err
+    assert out.startswith("GPU slug: h200\n")
+    # a GPU named: planned for, nothing to say
+    rc, out, err = run_cli(capsys, "explain", "--gpu", "a100", "--vocab", "32000", "--hidden", "4096",
+                           "--tokens", "8192", "--live", "0.5")
+    assert rc == 0 and err == "" and "GPU a100, bf16" in out
+
+
+def test_merge_leaves_no_lock_file_beside_the_output(isolated, capsys):
+    from conftest_tune import make_entry
+
+    a = isolated["tmp"] / "a.yaml"
+    a.write_text(yaml.safe_dump({"schema_version": 1, "gpu": "h200", "entries": [make_entry().to_dict()]}))
+    out_dir = isolated["tmp"] / "merged"
+    out_dir.mkdir()
+    rc, _, err = run_cli(capsys, "merge", str(a), "--out", str(out_dir / "h200.yaml"))
+    assert rc == 0, err
+    assert sorted(p.name for p in out_dir.iterdir()) == ["h200.yaml"]
+    assert not list(isolated["tmp"].glob("*.lock"))

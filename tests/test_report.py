@@ -7,6 +7,8 @@ import dataclasses
 import re
 
 import pytest
+
+pytest.importorskip("optuna", reason="the tuner needs Optuna (not in the GPU image)")  # noqa: E402
 import yaml
 from conftest_tune import isolated, make_entry  # noqa: F401
 
@@ -198,3 +200,100 @@ def test_merge_refuses_another_gpu_or_schema(isolated, capsys):
     rc, _, err = run(capsys, "merge", a, future, "--out", out_path)
     assert rc == 2 and str(future) in err and "schema_version 2" in err
     assert not out_path.exists()
+
+
+# -- issue 21 items 9 and 13: the studies database shown without its password, read without a change --
+def _copy_db(url: str, path) -> str:
+    """A copy of the SQLite studies database at ``url`` in one file (no write-ahead log) at ``path``."""
+    import sqlite3
+
+    src, dst = sqlite3.connect(url[len("sqlite:///"):]), sqlite3.connect(path)
+    try:
+        src.backup(dst)
+        dst.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        src.close()
+        dst.close()
+    return f"sqlite:///{path}"
+
+
+def _tables(path) -> set:
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        con.close()
+
+
+def test_report_shows_the_storage_without_its_password(isolated, studies, capsys, monkeypatch):
+    # A server URL with a password, served here by the SQLite studies (SQLite takes no password):
+    # stdout, stderr and report.md show it masked.
+    from cce_autotune.tuner import study
+
+    secret = "postgresql://user:s3cret@db.example/studies"
+    real_open, real_read = study._open_storage, getattr(study, "_read_only", None)
+    monkeypatch.setattr(study, "_open_storage", lambda url: real_open(studies["url"] if url == secret else url))
+    monkeypatch.setattr(study, "_read_only", lambda url: real_read(studies["url"] if url == secret else url),
+                        raising=False)
+    monkeypatch.setattr(report, "_figure_class", lambda: None)  # (tables only: quicker)
+    out_dir = isolated["tmp"] / "r"
+    rc, out, err = run(capsys, "report", "--gpu", "h200", "--storage", secret, "--out", out_dir)
+    assert rc == 0, err
+    md = (out_dir / "report.md").read_text()
+    assert "Studies: `postgresql://user:***@db.example/studies` (2 for h200)." in md and "user:***@" in out
+    assert "s3cret" not in out + err + md
+    rc, out, err = run(capsys, "report", "--gpu", "a100", "--storage", secret, "--out", out_dir)
+    assert rc == 1 and "no studies for GPU 'a100' in postgresql://user:***@db.example/studies" in err
+    assert "s3cret" not in out + err
+
+
+def test_report_on_a_damaged_studies_database_is_one_line(isolated, studies, capsys):
+    # Random bytes, and a real database whose table of trials is overwritten with random bytes (its
+    # schema intact: it opens, and fails when the trials are read): one line, exit status 1, no
+    # traceback, the file as it was.
+    import os
+    import random
+    import sqlite3
+
+    noise = isolated["tmp"] / "noise.db"
+    noise.write_bytes(b"not sqlite" + os.urandom(64 * 1024))
+    damaged = isolated["tmp"] / "damaged.db"
+    _copy_db(studies["url"], damaged)
+    con = sqlite3.connect(damaged)
+    (root,) = con.execute("SELECT rootpage FROM sqlite_master WHERE name = 'trials'").fetchone()
+    con.close()
+    data = bytearray(damaged.read_bytes())
+    page = int.from_bytes(data[16:18], "big")
+    rng = random.Random(0)
+    data[(root - 1) * page:root * page] = bytes(rng.randrange(256) for _ in range(page))
+    damaged.write_bytes(bytes(data))
+    for path in (noise, damaged):
+        before = path.read_bytes()
+        rc, out, err = run(capsys, "report", "--gpu", "h200", "--storage", f"sqlite:///{path}",
+                           "--out", isolated["tmp"] / "r")
+        assert rc == 1 and out == "", err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err and f"sqlite:///{path}" in lines[0], err
+        assert path.read_bytes() == before
+        assert not (isolated["tmp"] / "r").exists()
+
+
+def test_report_on_a_database_missing_a_table_creates_nothing(isolated, studies, capsys):
+    # Optuna's storage would create the missing table (and the report say: no trials, exit 0).
+    import sqlite3
+
+    path = isolated["tmp"] / "cut.db"
+    _copy_db(studies["url"], path)
+    con = sqlite3.connect(path)
+    con.execute("DROP TABLE trials")
+    con.commit()
+    con.close()
+    tables, before = _tables(path), path.read_bytes()
+    rc, out, err = run(capsys, "report", "--gpu", "h200", "--storage", f"sqlite:///{path}", "--out", isolated["tmp"] / "r")
+    assert rc == 1 and out == "", err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "trials" in lines[0] and "missing" in lines[0], err
+    assert _tables(path) == tables and "trials" not in tables  # no table created
+    assert path.read_bytes() == before

@@ -8,6 +8,8 @@ import itertools
 
 import pytest
 
+pytest.importorskip("optuna", reason="the tuner needs Optuna (not in the GPU image)")  # noqa: E402
+
 from cce_autotune.tuner.space import SearchSpace, SpaceContext, SpaceError, load_space
 from cce_autotune.variant import KERNELS, KernelVariants, VariantError
 

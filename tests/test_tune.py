@@ -12,8 +12,9 @@ import sys
 import time
 from collections import Counter
 
-import optuna
 import pytest
+
+optuna = pytest.importorskip("optuna", reason="the tuner needs Optuna (not in the GPU image)")
 import sqlalchemy.exc
 import torch
 from conftest_tune import isolated  # noqa: F401
@@ -221,11 +222,11 @@ def test_two_workers_share_one_study(isolated):
 
 
 def test_plan_and_default_hidden():
-    sizes, note = tune.default_hidden(256128)
-    assert sizes == [2304, 3584] and "Gemma-2" in note
-    assert tune.default_hidden(128256)[0] == [4096]
+    sizes, note = tune.default_hidden(262208)
+    assert sizes == [2560, 3840] and "Gemma 3 4B" in note
+    assert tune.default_hidden(128256)[0] == [2048, 3072, 4096]
     assert tune.default_hidden(12345)[0] == [2048, 4096]
-    plan = tune.make_plan("h200", [128256], None, tokens=[5000, 4096], kernels=["backward"], trials=7)
+    plan = tune.make_plan("h200", [128256], [4096], tokens=[5000, 4096], kernels=["backward"], trials=7)
     assert [(s.kernel, s.problem.B, s.problem.D, s.n_trials) for s in plan.studies] == [("backward", 4096, 4096, 7)]
     assert any("bucket B=4096" in n for n in plan.notes)
     text = tune.describe_plan(plan, 232448)
@@ -390,3 +391,29 @@ def test_trials_of_a_dead_worker_do_not_count(isolated):
     done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and t.user_attrs.get("measured")]
     assert len(done) == 5, stats
     assert study.get_trials()[0].state == TrialState.FAIL
+
+
+# Issue 21 item 13: a worker whose studies database fails reports it to the parent in one line and
+# exits 3, without a traceback (the parent raises it as StorageFailed, which cce-tune says in one line).
+def test_a_workers_failing_studies_database_is_sent_to_the_parent(isolated, monkeypatch):
+    pytest.importorskip("optuna")
+    import queue
+
+    from cce_autotune.tuner import workers
+
+    def full(*a, **k):
+        try:
+            raise sqlalchemy.exc.OperationalError("INSERT INTO trials", {}, Exception("database or disk is full"))
+        except sqlalchemy.exc.OperationalError as exc:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
+
+    monkeypatch.setattr(workers, "run_study", full)
+    results = queue.Queue()
+    spec = tune.StudySpec("h200", "indexed_dot", SMALL, n_trials=2)
+    with pytest.raises(SystemExit) as info:
+        workers._worker_main(1, 2, "fake", {}, _url(isolated), [spec], 0, None, None, None, results, None)
+    assert info.value.code == 3
+    name, (kind, line) = results.get_nowait()
+    assert name == workers._FAILED and kind == "storage"
+    assert line == "worker 1: Exception: database or disk is full"
+    assert tune.storage_failure(tune.StorageFailed(line), _url(isolated)) == line

@@ -1,6 +1,6 @@
 """``cce-tune``: tune kernels for this GPU, show the database, render a variant's source.
 
-    cce-tune --gpu h200 --vocab 256128 [--hidden 2304,3584] [--heads V:D,...] [--data lm|real|FILE]
+    cce-tune --gpu h200 --vocab 256000 [--hidden 2304,3584] [--heads V:D,...] [--data lm|real|FILE]
              [--tokens 4096,8192,16384] [--dtype bf16] [--no-calibrate]
              [--kernels all] [--trials N] [--budget-minutes M] [--out DIR] [--dry-run]
              [--max-grad-error 1e-2] [--storage URL] [--workers N] [--seed S]
@@ -105,7 +105,8 @@ def _shape_args(p: argparse.ArgumentParser, required: bool) -> None:
                    help="hidden size(s); default: the hidden sizes of known models with this vocabulary")
     p.add_argument("--tokens", type=_int_list("--tokens"), default=[4096, 8192, 16384], metavar="B[,B...]",
                    help="token counts, rounded to power-of-two buckets (default 4096,8192,16384)")
-    p.add_argument("--dtype", type=_dtype_list, default=["bf16"], help="bf16, fp16 and/or fp32 (default bf16)")
+    p.add_argument("--dtype", type=_dtype_list, help="bf16, fp16 and/or fp32 (default bf16; tuning on --data FILE: the "
+                   "file's)")
     p.add_argument("--bias", action="store_true", help="tune/look up the variant with a bias")
     p.add_argument("--softcap", action="store_true", help="tune/look up the variant with logit softcapping")
 
@@ -166,7 +167,9 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
 
     render = argparse.ArgumentParser(
         prog="cce-tune render",
-        description="Print the Triton source of a kernel variant, e.g. `cce-tune render backward block_b=64 filter_eps=none`.",
+        description="Print the Triton source of a kernel variant, e.g. `cce-tune render backward block_b=64 "
+        "filter_eps=none`. The backward's strategy (the knob strategy=chunked|tiles|sparse|fused) is auto by "
+        "default: the planner chooses it per call (`cce-tune explain`); auto renders the tiles strategy's kernel.",
     )
     render.add_argument("kernel", choices=list(KERNELS))
     render.add_argument("knobs", nargs="*", metavar="knob=value", help="knobs to change from the built-in default")
@@ -242,7 +245,7 @@ def _cmd_tune(args, out, err) -> int:
     gpu = dispatch.resolve_gpu(args.gpu)
     data = _tuning_data(args)
     plan = tune.make_plan(
-        gpu, data["vocab"] or [], data["hidden"], args.tokens, args.dtype, args.kernels,
+        gpu, data["vocab"] or [], data["hidden"], args.tokens, data["dtype"], args.kernels,
         flag_sets=[(data["bias"], data["softcap"])], trials=trials,
         gate=tune.Gate(args.max_grad_error, args.max_value_error), budget_minutes=args.budget_minutes,
         data=args.data, data_id=data["data_id"], softcap=data["softcap_value"], workers=workers,
@@ -286,15 +289,20 @@ def _cmd_tune(args, out, err) -> int:
     if problem:
         err.write(f"cce-tune: {problem}\n")
         return 2
+    shown = tune.display_url(storage)  # (never the password: report.md and logs get attached to issues)
     out.write(tune.describe_plan(plan, backend.smem_limit(), workers) + "\n")
-    out.write(f"studies: {storage}\nresults: {target}\n")
+    out.write(f"studies: {shown}\nresults: {target}\n")
     out.flush()
+    saved: list = []
+    unsaved: list = []  # what a save failed to write (the run goes on: the studies keep the results)
 
     def save_costs(section) -> None:
         try:
             db.save_entries(target, [], gpu=gpu, cost_model=section)
-        except OSError as exc:
-            err.write(f"cce-tune: could not save the cost model to {target}: {exc.strerror or exc}\n")
+        except (OSError, db.ConfigDBError) as exc:  # (a calibration the file's checks refuse is not written)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            err.write(f"cce-tune: could not save the cost model to {target}: {why}\n")
+            unsaved.append("the planner's cost model")
             return
         out.write(f"saved the planner's cost model -> {target}\n")
         out.flush()
@@ -305,29 +313,48 @@ def _cmd_tune(args, out, err) -> int:
         except OSError as exc:  # e.g. a full disk: the study keeps its winner; the plan goes on
             err.write(f"cce-tune: could not save {entry.key.describe()} to {target}: {exc.strerror or exc}; "
                       "the study keeps the result: run the same command again to save it\n")
+            unsaved.append(entry.key.describe())
             return
+        saved.append(entry)
         out.write(f"saved {entry.key.describe()} -> {target}: {report}\n")
         out.flush()
 
     try:
-        entries = tune.run_plan(
-            plan, backend, storage, backend_name=backend_name, workers=workers, seed=args.seed,
-            trial_time_limit=args.trial_time_limit, top_k=top_k, on_result=save, progress=err,
-            calibrate=args.calibrate and "backward" in args.kernels, on_costs=save_costs,
-        )
+        # Ctrl-C also sets a flag the tuner checks between trials: one swallowed inside a finalizer
+        # (SQLAlchemy's) still stops the run, after the current trial.
+        with tune.stop_on_interrupt():
+            entries = tune.run_plan(
+                plan, backend, storage, backend_name=backend_name, workers=workers, seed=args.seed,
+                trial_time_limit=args.trial_time_limit, top_k=top_k, on_result=save, progress=err,
+                calibrate=args.calibrate and "backward" in args.kernels, on_costs=save_costs,
+            )
+            tune.check_interrupt()  # (one pressed during the last study's re-timing)
     except KeyboardInterrupt:
         err.write("\ncce-tune: interrupted; run the same command again to resume\n")
         return 130
     except tune.DeviceLost as exc:
         err.write(f"\ncce-tune: {exc}\n")
         return 3
-    except (OSError, tune.sqlalchemy.exc.SQLAlchemyError) as exc:  # the studies database failed
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        err.write(f"\ncce-tune: studies database {storage}: {first[:300]}; "
+    except tune.STORAGE_ERRORS as exc:  # the studies database failed: full, damaged, read-only, gone
+        err.write(f"\ncce-tune: the studies database {shown} failed: {tune.storage_failure(exc, storage)}; "
                   "free the space or fix the storage, then run the same command again to resume\n")
         return 3
+    except tune.WorkersFailed as exc:  # (each worker printed its own error)
+        err.write(f"\ncce-tune: {exc}; run the same command again to resume\n")
+        return 3
+    except OSError as exc:  # a full disk, a folder gone
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        err.write(f"\ncce-tune: {tune.hide_secrets(exc.strerror or exc, storage)}{where}; free the space or "
+                  "fix the folder, then run the same command again to resume\n")
+        return 3
     dispatch.clear_cache()
-    out.write(f"done: {len(entries)} of {len(plan.studies)} studies produced a winner\n")
+    won = f"done: {len(entries)} of {len(plan.studies)} studies produced a winner"
+    if unsaved:
+        out.write(f"{won}; {len(saved)} saved to {target}, {len(entries) - len(saved)} not\n")
+        err.write(f"cce-tune: not saved to {target}: {', '.join(unsaved)}; the studies keep the results: make "
+                  "the folder writable and run the same command again to save them\n")
+        return 3
+    out.write(won + "\n")
     return 0 if entries or not plan.studies else 1
 
 
@@ -337,19 +364,19 @@ def _tuning_data(args) -> dict:
     from ..tuner import DATA_KINDS  # (lazy: Optuna)
 
     found = dict(vocab=args.vocab, hidden=args.hidden, bias=args.bias, softcap=args.softcap, softcap_value=30.0,
-                 data_id="", notes=[])
+                 data_id="", notes=[], dtype=args.dtype or ["bf16"])
     if args.data in DATA_KINDS:
         if not args.vocab and not args.heads:
             raise _UsageError("--vocab: required (or --heads V:D, or --data FILE, whose vocabulary is tuned)")
         return found
-    if not Path(args.data).is_file():
-        raise _UsageError(f"--data: {args.data!r} is neither lm, real nor an activation file")
-    from ..data import load_file  # (lazy: PyTorch)
+    from ..data import file_dtype, load_file, resolve_data  # (lazy: PyTorch)
 
     try:
+        resolve_data(args.data, DATA_KINDS)
         acts = load_file(args.data)
     except ValueError as exc:
-        raise _UsageError(f"--data: {exc}") from None
+        raise _UsageError(str(exc) if str(exc).startswith("--data: ") else f"--data: {exc}") from None
+    found["dtype"] = args.dtype or [file_dtype(args.data)]  # the captured call's dtype unless told
     for name, given, own in (("--vocab", args.vocab, acts.V), ("--hidden", args.hidden, acts.D)):
         if given and list(given) != [own]:
             raise _UsageError(f"{name}: {given} differs from {args.data}'s {own}; leave it out")
@@ -357,7 +384,7 @@ def _tuning_data(args) -> dict:
                  softcap=args.softcap or acts.softcap is not None, data_id=acts.digest[:16])
     if acts.softcap is not None:
         found["softcap_value"] = acts.softcap
-    found["notes"].append(f"--data {args.data}: {acts.n} captured rows, V={acts.V}, D={acts.D}"
+    found["notes"].append(f"--data {args.data}: {acts.n} captured rows, {found['dtype'][0]}, V={acts.V}, D={acts.D}"
                           + (f", softcap {acts.softcap:g}" if acts.softcap is not None else "")
                           + (", bias" if acts.bias is not None else "")
                           + f" (sha256 {acts.digest[:16]}); token buckets above {acts.n} repeat its rows")
@@ -389,17 +416,38 @@ def _check_storage(url: str, workers: int) -> str | None:
     try:
         tune.make_storage(url)
     except Exception as exc:  # noqa: BLE001 - any failure to open the storage, as one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"--storage {url}: cannot open the studies database: {type(exc).__name__}: {first[:200]}"
+        return (f"--storage {tune.display_url(url)}: cannot open the studies database: "
+                f"{tune.storage_failure(exc, url)[:250]}")
     return None
 
 
 # -- show --------------------------------------------------------------------------------------
+# The GPU `show` and `explain` plan for without --gpu on a machine without one: the one whose cost
+# model is the built-in fallback (cce_autotune.planning.costs) and whose configs ship with the package.
+DEFAULT_GPU = "h200"
+
+
+def _gpu_or_default(args, err, command: str) -> str:
+    """The slug ``show`` / ``explain`` work for: --gpu, else $CCE_AUTOTUNE_GPU or the detected GPU; on
+    a machine without a GPU, :data:`DEFAULT_GPU`, said in one line (not "cpu": no GPU has its plans)."""
+    from ..configdb import dispatch  # (lazy: YAML only, instant)
+
+    if args.gpu:
+        return dispatch.resolve_gpu(args.gpu)
+    gpu = dispatch.gpu_slug()
+    if gpu == dispatch.CPU_SLUG and not os.environ.get(dispatch.ENV_GPU):
+        what = "configs" if command == "show" else "shipped configs and cost model"
+        err.write(f"cce-tune {command}: no GPU detected: {'showing' if command == 'show' else 'planning for'} "
+                  f"--gpu {DEFAULT_GPU}'s {what} (pass --gpu to choose another)\n")
+        return DEFAULT_GPU
+    return gpu
+
+
 def _cmd_show(args, out, err) -> int:
     from ..configdb import dispatch  # (lazy: YAML only, instant)
     from ..configdb import store as db
 
-    gpu = dispatch.resolve_gpu(args.gpu) if args.gpu else dispatch.gpu_slug()
+    gpu = _gpu_or_default(args, err, "show")
     out.write(f"GPU slug: {gpu}\n")
     found = False
     for d in dispatch.config_search_path():
@@ -423,7 +471,7 @@ def _cmd_show(args, out, err) -> int:
             raise _UsageError("--hidden: needed with --vocab to explain a lookup")
         D = _single(args.hidden, "--hidden")
         for B in args.tokens:
-            for dtype in args.dtype:
+            for dtype in args.dtype or ["bf16"]:
                 out.write("\n" + str(dispatch.explain(gpu, dtype, B, V, D, args.bias, args.softcap)) + "\n")
     return 0
 
@@ -437,7 +485,7 @@ def _cmd_explain(args, out, err) -> int:
     from ..plans import CallProblem, MiB
     from ..strategies.base import PlanContext, mm_ms
 
-    gpu = dispatch.resolve_gpu(args.gpu) if args.gpu else dispatch.gpu_slug()
+    gpu = _gpu_or_default(args, err, "explain")
     V, D = _single(args.vocab, "--vocab"), _single(args.hidden, "--hidden")
     try:
         budgets.parse_bytes(args.max_extra_memory, "--max-extra-memory")
@@ -445,7 +493,7 @@ def _cmd_explain(args, out, err) -> int:
         raise _UsageError(str(exc)) from None
     costs = dispatch.costs_for(gpu)
     for B in args.tokens:
-        for dtype in args.dtype:
+        for dtype in args.dtype or ["bf16"]:
             bw = dispatch.explain(gpu, dtype, B, V, D, args.bias, args.softcap).variants.backward.replace(strategy="auto")
             elem = 4 if dtype == "fp32" else 2
             grads = elem * (B + V) * D + (elem * V if args.bias else 0)
@@ -527,7 +575,8 @@ def _knob_value(text: str):
 
 
 def _cmd_render(args, out, err) -> int:
-    from ..codegen import Flags, render_source  # (lazy: the strategies' modules bring PyTorch)
+    from .. import strategies  # (lazy: the strategies' modules bring PyTorch)
+    from ..codegen import Flags, render_source
     from ..planning.planner import default_strategy
     from ..variant import KernelVariants
 
@@ -544,7 +593,10 @@ def _cmd_render(args, out, err) -> int:
         variant.validate(elem_bytes=4 if args.dtype == "fp32" else 2, smem_limit=None)
     except (VariantError, TypeError) as exc:
         raise _UsageError(f"{args.kernel}: {exc}") from None
-    if getattr(variant, "strategy", None) == "auto":  # decided per call by the planner; render its default
+    if getattr(variant, "strategy", None) == "auto":  # decided per call by the planner: say so, render tiles
+        err.write(f"cce-tune render: note: the backward's strategy is auto, chosen per call by the planner "
+                  f"(`cce-tune explain` shows which); rendering the {default_strategy()} strategy's kernel: "
+                  f"strategy=NAME renders another ({', '.join(strategies.names())})\n")
         variant = variant.replace(strategy=default_strategy())
     flags = Flags(
         has_bias=args.bias, has_softcap=args.softcap,

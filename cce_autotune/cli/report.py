@@ -310,7 +310,9 @@ def winners_table(entries: list) -> list:
 
 
 def markdown(gpu: str, storage_url: str, reports: list, entries: list, files: list, images: bool) -> str:
-    lines = [f"# cce-tune report: GPU {gpu}", "", f"Studies: `{storage_url}` ({len(reports)} for {gpu}).",
+    """The report's Markdown; ``storage_url`` is shown without its password (the file gets attached)."""
+    lines = [f"# cce-tune report: GPU {gpu}", "",
+             f"Studies: `{tuner.display_url(storage_url)}` ({len(reports)} for {gpu}).",
              "Tuned configs: " + (", ".join(f"`{f}`" for f in files) or "none") + ".", "", "## Studies", ""]
     rows = []
     for r in reports:
@@ -332,34 +334,50 @@ def markdown(gpu: str, storage_url: str, reports: list, entries: list, files: li
 
 
 # -- the command ----------------------------------------------------------------------------------
+def _gpus_of(store) -> list:
+    """The GPUs the cce-tune studies of ``store`` are for."""
+    import optuna
+
+    return sorted({n.split(":")[1] for n in optuna.study.get_all_study_names(store)
+                   if n.startswith("cce:") and n.count(":") > 1})
+
+
 def run(gpu: str, storage: str | None = None, out_dir: Path | None = None, configs: Path | None = None,
         out=None, err=None) -> int:
-    """``cce-tune report``: 0 when studies were found (with or without plots), 1 when there are none."""
+    """``cce-tune report``: 0 when studies were found (with or without plots), 1 when there are none or
+    the studies database cannot be read (one line; the database is read, never created or changed)."""
     import sys
 
     out, err = out or sys.stdout, err or sys.stderr
     url = storage or tuner.default_storage_url()
+    shown = tuner.display_url(url)  # (never the password: report.md gets attached to pull requests)
     if url.startswith("sqlite:///") and url[len("sqlite:///"):] not in ("", ":memory:") \
             and not Path(url[len("sqlite:///"):]).is_file():
         err.write(f"cce-tune report: no studies database at {url[len('sqlite:///'):]} (tune first, or pass "
                   "--storage URL)\n")
         return 1
     try:
-        store = tuner.make_storage(url)
-    except Exception as exc:  # noqa: BLE001 - the storage cannot be opened: one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        err.write(f"cce-tune report: --storage {url}: cannot open the studies database: {type(exc).__name__}: "
-                  f"{first[:200]}\n")
+        store = tuner.open_existing_storage(url)  # (creates no table in a damaged or foreign database)
+    except ValueError as exc:
+        err.write(f"cce-tune report: the studies database {shown}: {tuner.hide_secrets(exc, url)}\n")
         return 1
-    reports, odd = load_studies(store, gpu)
+    except tuner.STORAGE_ERRORS as exc:  # damaged beyond its tables
+        err.write(f"cce-tune report: the studies database {shown} failed: {tuner.storage_failure(exc, url)}\n")
+        return 1
+    except Exception as exc:  # noqa: BLE001 - the storage cannot be opened (a driver missing, ...): one line
+        err.write(f"cce-tune report: --storage {shown}: cannot open the studies database: "
+                  f"{tuner.storage_failure(exc, url)[:250]}\n")
+        return 1
+    try:
+        reports, odd = load_studies(store, gpu)
+        others = [] if reports else _gpus_of(store)
+    except tuner.STORAGE_ERRORS as exc:  # damaged beyond its tables
+        err.write(f"cce-tune report: the studies database {shown} failed: {tuner.storage_failure(exc, url)}\n")
+        return 1
     for name in odd:
         err.write(f"cce-tune report: note: study {name!r} is not named as cce-tune names studies; left out\n")
     if not reports:
-        import optuna
-
-        others = sorted({n.split(":")[1] for n in optuna.study.get_all_study_names(store)
-                         if n.startswith("cce:") and n.count(":") > 1})
-        err.write(f"cce-tune report: no studies for GPU {gpu!r} in {url} (names starting 'cce:{gpu}:')"
+        err.write(f"cce-tune report: no studies for GPU {gpu!r} in {shown} (names starting 'cce:{gpu}:')"
                   + (f"; it holds studies for: {', '.join(others)}" if others else "; it holds no cce-tune study")
                   + "\n")
         return 1

@@ -26,6 +26,7 @@ smallest. The strategies and their formulas are those of :mod:`cce_autotune.stra
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from .. import memory, strategies
@@ -310,11 +311,9 @@ def fingerprint(ev: Evidence, sample: int) -> tuple:
     (LSE minus the target logit), which tells apart another loss's targets on the same rows."""
     c, e = ev.c, ev.e
     V, D = c.shape
-    g = torch.Generator().manual_seed(0)
-    directions = torch.randn(D, PROBES, generator=g).to(device=c.device, dtype=torch.float32)
-    probe_rows = torch.linspace(0, V - 1, min(V, PROBES), device=c.device).round().long()
+    directions, probe_rows = _probes(D, V, c.device)
     classifier = c[probe_rows].float() @ directions[:, 0]
-    idx = accuracy.sample_rows(ev.rows.shape[0], sample).to(ev.rows.device)
+    idx = _sample(ev.rows.shape[0], sample, ev.rows.device)
     valid = torch.isfinite(ev.lse[idx]).float()
     n = valid.sum().clamp_min(1.0)
     rows = (valid @ e.reshape(-1, D)[ev.rows[idx]].float()) / n @ directions
@@ -322,6 +321,21 @@ def fingerprint(ev: Evidence, sample: int) -> tuple:
     host = torch.cat([classifier, rows, nll.reshape(1)]).tolist()
     k = classifier.shape[0]
     return tuple(host[:k]), tuple(host[k:k + PROBES]), host[-1]
+
+
+@lru_cache(maxsize=16)
+def _probes(D: int, V: int, device) -> tuple:
+    """The fingerprint's fixed random directions (D x 16, fp32) and classifier rows, on ``device``
+    (made once per shape: a call pays no host-to-device copy for them)."""
+    g = torch.Generator().manual_seed(0)
+    directions = torch.randn(D, PROBES, generator=g).to(device=device, dtype=torch.float32)
+    rows = torch.linspace(0, V - 1, min(V, PROBES)).round().long().to(device)
+    return directions, rows
+
+
+@lru_cache(maxsize=16)
+def _sample(n: int, sample: int, device):
+    return accuracy.sample_rows(n, sample).to(device)
 
 
 def _drift(a, b) -> float:
@@ -490,8 +504,7 @@ def unfiltered_cost(p: CallProblem, variant, budget: int | None, costs, fused_al
 
 
 def default_strategy() -> str:
-    """What ``strategy="auto"`` renders as when no live share is known (``cce-tune render``): the
-    first of :data:`cce_autotune.strategies.TABLE` (the chunked strategy, which is never far from
-    the best and needs no V x D scratch)."""
-    return strategies.names()[0]
+    """What ``strategy="auto"`` renders as when no call decides it (``cce-tune render``):
+    :data:`cce_autotune.strategies.AUTO_RENDERS`."""
+    return strategies.AUTO_RENDERS
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import threading
 
-__all__ = ["TABLE", "names", "get", "all_strategies", "register", "unregister"]
+__all__ = ["TABLE", "AUTO_RENDERS", "names", "get", "all_strategies", "register", "unregister"]
 
 # name -> module of this package
 TABLE = {
@@ -28,6 +28,10 @@ TABLE = {
 
 _lock = threading.Lock()
 _loaded: dict = {}
+# What ``cce-tune render backward`` shows for strategy="auto" (which the planner resolves per call):
+# the kernel that the backward variant's tiling knobs (block_b, block_v, group_b, accum, num_locks)
+# shape most directly.
+AUTO_RENDERS = "tiles"
 _registered: dict = {}  # strategies registered at run time (outside the package)
 
 

@@ -31,7 +31,10 @@ The modules, in the order of the flow (each imports only those before it):
 - :mod:`.backends`: :class:`Backend`, :class:`GPUBackend`, :class:`FakeBackend`, :func:`make_backend`
   and :func:`classify_failure` (which failures become failed trials);
 - :mod:`.study`: :func:`measure` (check -> gate -> time, under the per-trial time limit), the storage
-  (:func:`make_storage`), :func:`open_study`, the trial loop :func:`run_study` and :func:`finalize`;
+  (:func:`make_storage`; :func:`display_url` shows its URL without the password, :func:`storage_failure`
+  says why it failed, :func:`open_existing_storage` opens it for reading without creating tables),
+  :func:`open_study`, the trial loop :func:`run_study` and :func:`finalize`, and the Ctrl-C guard of a
+  run (:func:`stop_on_interrupt`: an interrupt swallowed inside a finalizer still stops the run);
 - :mod:`.workers`: :func:`run_workers`, worker processes sharing each study through the storage (and
   ``_study_timeout``, a study's share of the time budget);
 - :mod:`.plan`: :class:`TuningPlan`, :func:`make_plan`, :func:`describe_plan` and :func:`run_plan` (every
@@ -46,7 +49,7 @@ database (it hands :class:`Entry` objects to the caller, which saves them with
 
 from __future__ import annotations
 
-import sqlalchemy  # noqa: F401 - cce_autotune.cli catches tune.sqlalchemy.exc.SQLAlchemyError
+import sqlalchemy  # noqa: F401 - (kept importable as tune.sqlalchemy; the CLI catches STORAGE_ERRORS)
 import sqlalchemy.exc  # noqa: F401
 
 from .. import codegen  # noqa: F401
@@ -71,7 +74,6 @@ from .plan import (  # noqa: F401
     CALIBRATION_B,
     CALIBRATION_HEADS,
     GENERIC_HIDDEN,
-    KNOWN_HIDDEN,
     MINUTES_PER_HEAD,
     TuningPlan,
     calibrate_costs,
@@ -96,7 +98,9 @@ from .problem import (  # noqa: F401
 from .space import load_space  # noqa: F401
 from .study import (  # noqa: F401
     STORAGE_ATTEMPTS,
+    STORAGE_ERRORS,
     Outcome,
+    StorageFailed,
     StudyStats,
     _alternative,
     _ask_fixed,
@@ -110,15 +114,23 @@ from .study import (  # noqa: F401
     _summary,
     _time_limit,
     _worker_dead,
+    check_existing_storage,
+    check_interrupt,
     default_storage_url,
+    display_url,
     finalize,
+    hide_secrets,
+    interrupt_requested,
     make_storage,
     measure,
+    open_existing_storage,
     open_study,
     run_study,
     sibling_best,
+    stop_on_interrupt,
+    storage_failure,
 )
-from .workers import FINALIZE_S, WEIGHT, _study_timeout, _worker_main, run_workers  # noqa: F401
+from .workers import FINALIZE_S, WEIGHT, WorkersFailed, _study_timeout, _worker_main, run_workers  # noqa: F401
 
 __all__ = [
     "KERNEL_NAMES",
@@ -134,6 +146,9 @@ __all__ = [
     "NoGPUError",
     "TrialTimeout",
     "DeviceLost",
+    "StorageFailed",
+    "WorkersFailed",
+    "STORAGE_ERRORS",
     "measure",
     "make_backend",
     "classify_failure",
@@ -141,6 +156,14 @@ __all__ = [
     "make_plan",
     "describe_plan",
     "default_storage_url",
+    "display_url",
+    "hide_secrets",
+    "storage_failure",
+    "check_existing_storage",
+    "open_existing_storage",
+    "stop_on_interrupt",
+    "interrupt_requested",
+    "check_interrupt",
     "make_storage",
     "open_study",
     "run_study",

@@ -9,38 +9,36 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+from .. import heads as heads_table
 from ..configdb import dispatch
 from ..configdb.store import Entry
 from ..planning import costs as cost_models
 from .backends import Backend
-from .problem import KERNEL_NAMES, Gate, StudySpec, TuningProblem, _bucket
+from .problem import DATA_KINDS, KERNEL_NAMES, Gate, StudySpec, TuningProblem, _bucket
 from .space import load_space
 from .study import default_storage_url, finalize, make_storage, run_study, sibling_best
 from .workers import _study_timeout, run_workers
 
 # -- plans ------------------------------------------------------------------------------------
-# Hidden sizes of well-known models, by vocabulary size (used when --hidden is not given).
-KNOWN_HIDDEN = {
-    256128: ([2304, 3584], "Gemma-2 2B / 9B"),
-    256000: ([2048, 3072], "Gemma 2B / 7B"),
-    262144: ([2560, 3840], "Gemma-3 4B / 12B"),
-    151936: ([2048, 3584], "Qwen2.5 3B / 7B"),
-    152064: ([3584, 5120], "Qwen2.5 7B / 14B"),
-    128256: ([4096], "Llama-3 8B"),
-    32768: ([4096], "Mistral-7B v0.3"),
-    32000: ([4096], "Llama-2 7B / Mistral-7B v0.1"),
-    50304: ([2048], "GPT-NeoX / Pythia"),
-}
-GENERIC_HIDDEN = [2048, 4096]
+GENERIC_HIDDEN = [2048, 4096]  # for a vocabulary no known head has
 
 
 def default_hidden(V: int) -> tuple[list[int], str]:
-    """Hidden sizes to tune for vocabulary ``V`` when none are given, and a note saying why."""
-    if V in KNOWN_HIDDEN:
-        sizes, models = KNOWN_HIDDEN[V]
-        return list(sizes), f"--hidden not given: V={V} is {models}, tuning D={', '.join(map(str, sizes))}"
+    """Hidden sizes to tune for vocabulary ``V`` when none are given (those of the known heads with
+    that vocabulary, :mod:`cce_autotune.heads`), and a note saying why."""
+    known = heads_table.by_vocab(V)
+    if known:
+        sizes = list(dict.fromkeys(h.D for h in known))
+        return sizes, (f"--hidden not given: V={V} is {heads_table.describe(known)}; tuning D={', '.join(map(str, sizes))}"
+                       " (--hidden chooses)")
     return list(GENERIC_HIDDEN), (f"--hidden not given: V={V} is not a known model's vocabulary, tuning the "
                                   f"common D={', '.join(map(str, GENERIC_HIDDEN))}")
+
+
+def known_softcap(V: int, D: int) -> float | None:
+    """The softcap of the known head(s) of shape (``V``, ``D``) when they all have the same one."""
+    caps = {h.softcap for h in heads_table.find(V, D)}
+    return caps.pop() if len(caps) == 1 else None
 
 
 @dataclass
@@ -80,10 +78,18 @@ def make_plan(gpu: str, vocabs: Sequence[int], hiddens: Sequence[int] | None = N
         pairs += [(V, D) for D in Ds if (V, D) not in pairs]
     pairs += [tuple(h) for h in heads if tuple(h) not in pairs]
     for V, D in pairs:
+        sets, cap = flag_sets, softcap
+        own = known_softcap(V, D) if data in DATA_KINDS else None  # (an activation file has its own)
+        if own is not None:
+            cap = own
+            if not any(f[1] for f in flag_sets):
+                sets = [(b, True) for b, _ in flag_sets]
+                names = ", ".join(h.name for h in heads_table.find(V, D))
+                notes.append(f"V={V}, D={D} is {names}: tuned with its softcap {own:g}, as its loss is called")
         for dtype in dtypes:
             for B in buckets:
-                for has_bias, has_softcap in flag_sets:
-                    problem = TuningProblem(B, V, D, dtype, has_bias, has_softcap, softcap=softcap, data=data,
+                for has_bias, has_softcap in sets:
+                    problem = TuningProblem(B, V, D, dtype, has_bias, has_softcap, softcap=cap, data=data,
                                       data_id=data_id)
                     studies.extend(StudySpec(gpu, k, problem, trials, gate) for k in kernels)
     if budget_minutes is None and studies:
@@ -120,7 +126,11 @@ def describe_plan(plan: TuningPlan, smem_limit: int | None, workers: int = 1) ->
     est /= max(1, workers)
     budget = ""
     if plan.budget_minutes:
-        budget = f", capped by --budget-minutes {plan.budget_minutes:g}"
+        # (make_plan notes a budget it chose: then it is the default's, not a --budget-minutes given)
+        if any(n.startswith("--budget-minutes not given") for n in plan.notes):
+            budget = f", capped by the default budget of {plan.budget_minutes:g} minutes (--budget-minutes)"
+        else:
+            budget = f", capped by --budget-minutes {plan.budget_minutes:g}"
         est = min(est, plan.budget_minutes * 60)
     kernels = sorted({s.kernel for s in plan.studies}, key=KERNEL_NAMES.index)
     lines.append(f"{len(plan.studies)} studies ({', '.join(kernels)}), {trials} trials, "

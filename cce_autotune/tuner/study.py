@@ -155,6 +155,180 @@ def _storage(storage) -> optuna.storages.BaseStorage:
     return storage if isinstance(storage, optuna.storages.BaseStorage) else make_storage(storage)
 
 
+# -- the studies database, shown, failing, read without changing it ------------------------------
+# What a failing studies database raises: Optuna wraps SQLAlchemy's errors of a commit in its own
+# StorageInternalError; reads raise SQLAlchemy's (which wrap the driver's, e.g. sqlite3's).
+STORAGE_ERRORS = (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError, sqlite3.Error)
+
+
+class StorageFailed(optuna.exceptions.StorageInternalError):
+    """The studies database failed in a worker process: the reason, one line without the password."""
+
+
+def display_url(url) -> str:
+    """``url`` as it may be shown (stdout, error lines, ``report.md``): its password masked as
+    SQLAlchemy masks it (``postgresql://user:***@host/db``). A string SQLAlchemy cannot parse is shown
+    as it is only when it holds no ``@``; else what lies between its scheme and its last ``@`` is masked."""
+    text = str(url)
+    try:
+        parsed = sqlalchemy.engine.make_url(text)
+    except Exception:  # noqa: BLE001 - not a URL: shown as is, unless it may hold credentials
+        if "@" not in text:
+            return text
+        scheme, sep, _ = text.partition("://")
+        return (scheme + sep if sep else "") + "***@" + text.rsplit("@", 1)[1]
+    if parsed.password is None:
+        return text  # (as given: render_as_string may re-quote a path)
+    return parsed.render_as_string(hide_password=True)
+
+
+def hide_secrets(text: str, url) -> str:
+    """``text`` (an error message) with ``url`` as :func:`display_url` shows it and its password nowhere."""
+    text, raw = str(text), str(url)
+    if raw:
+        text = text.replace(raw, display_url(raw))
+    try:
+        password = sqlalchemy.engine.make_url(raw).password
+    except Exception:  # noqa: BLE001
+        password = None
+    if password and len(str(password)) >= 4:  # (alone in a message; a shorter one would mask letters everywhere)
+        from urllib.parse import quote_plus
+
+        for form in {str(password), quote_plus(str(password))}:
+            text = text.replace(form, "***")
+    return text
+
+
+def storage_failure(exc: BaseException, url) -> str:
+    """Why the studies database at ``url`` failed, in one line without its password: the driver's
+    error where there is one (Optuna's StorageInternalError and SQLAlchemy's errors wrap it)."""
+    if isinstance(exc, StorageFailed):  # (already said by the worker)
+        return hide_secrets(str(exc), url)
+    chain, e = [], exc
+    while e is not None and not any(e is c for c in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    pick = None
+    for e in chain:  # the outermost error that names the driver's reason
+        if isinstance(e, sqlalchemy.exc.DBAPIError) and e.orig is not None:
+            pick = e.orig
+            break
+        if isinstance(e, sqlite3.Error):
+            pick = e
+            break
+    if pick is None:
+        pick = next((e for e in chain if str(e).strip() and not isinstance(e, optuna.exceptions.StorageInternalError)),
+                    exc)
+    message = str(pick).strip()
+    first = message.splitlines()[0] if message else ""
+    return hide_secrets(f"{type(pick).__name__}: {first}"[:300] if first else type(pick).__name__, url)
+
+
+def _optuna_tables() -> set:
+    """The tables of an Optuna RDB storage (those RDBStorage creates when they are missing)."""
+    try:
+        from optuna.storages._rdb import models
+
+        return set(models.BaseModel.metadata.tables)
+    except Exception:  # noqa: BLE001 - (a private module): the tables every Optuna version has
+        return {"studies", "study_directions", "study_user_attributes", "study_system_attributes", "trials",
+                "trial_params", "trial_values", "trial_user_attributes", "trial_system_attributes",
+                "trial_intermediate_values", "version_info"}
+
+
+def _read_only(url: str) -> tuple[str, dict]:
+    """(URL, engine keyword arguments) that read ``url`` and cannot change it where the driver allows:
+    a SQLite file is opened read-only, so that neither a table nor the file itself is created."""
+    parsed = sqlalchemy.engine.make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        uri = Path(parsed.database).resolve().as_uri() + "?mode=ro"
+        return url, {"creator": lambda: sqlite3.connect(uri, uri=True, timeout=120, check_same_thread=False)}
+    return url, {}
+
+
+def check_existing_storage(url: str) -> str | None:
+    """Why ``url`` holds no readable Optuna studies database (one line, without its password), or
+    None. Reads only: Optuna's RDBStorage would create the missing tables of a damaged or foreign
+    database, and a report must change nothing."""
+    try:
+        target, kwargs = _read_only(url)
+        engine = sqlalchemy.create_engine(target, **kwargs)
+        try:
+            with engine.connect() as con:
+                tables = set(sqlalchemy.inspect(con).get_table_names())
+        finally:
+            engine.dispose()
+    except (*STORAGE_ERRORS, OSError, ImportError) as exc:  # (ImportError: the URL's driver is not installed)
+        return f"cannot read it: {storage_failure(exc, url)}"
+    missing = sorted(_optuna_tables() - tables)
+    if not tables:
+        return "it holds no table: not a studies database"
+    if missing:
+        return (f"not a complete Optuna studies database: table(s) {', '.join(missing)} missing (damaged, "
+                "or written by another program); nothing was changed")
+    return None
+
+
+def open_existing_storage(url: str) -> optuna.storages.BaseStorage:
+    """The Optuna storage at ``url``, for reading, when it holds a complete studies database (read-only
+    where the driver allows, no table created); ValueError (one line) when not, having changed
+    nothing (see :func:`check_existing_storage`)."""
+    problem = check_existing_storage(url)
+    if problem:
+        raise ValueError(problem)
+    target, kwargs = _read_only(url)
+    try:
+        return optuna.storages.RDBStorage(target, engine_kwargs=kwargs, skip_table_creation=True)
+    except TypeError:  # an Optuna without skip_table_creation (< 4.x): the tables were checked above
+        return optuna.storages.RDBStorage(target, engine_kwargs=kwargs)
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------------------
+# Ctrl-C raises KeyboardInterrupt wherever the main thread is, and one raised inside a finalizer (a
+# SQLAlchemy connection's, a weakref callback) is printed and swallowed: the run would go on. While a
+# run is guarded, the SIGINT handler also sets a flag, checked at the safe points (before a trial,
+# before a study's final re-timing, between re-timing rounds, while waiting for workers).
+_interrupt = {"requested": False}
+
+
+def interrupt_requested() -> bool:
+    """Ctrl-C was pressed during the guarded run (:func:`stop_on_interrupt`), swallowed or not."""
+    return _interrupt["requested"]
+
+
+def check_interrupt() -> None:
+    """A safe point: raise KeyboardInterrupt if Ctrl-C was pressed (even if its exception was swallowed)."""
+    if _interrupt["requested"]:
+        raise KeyboardInterrupt("interrupted (Ctrl-C)")
+
+
+def _on_sigint(signum, frame):
+    _interrupt["requested"] = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stop_on_interrupt():
+    """Guard a run: Ctrl-C raises KeyboardInterrupt as usual and sets a flag that the safe points
+    check (:func:`check_interrupt`), so that an interrupt swallowed inside a finalizer still stops the
+    run after the current trial. The flag is cleared on entry and on exit (a later unguarded run is
+    not stopped by it); the old handler is restored on exit. Only in the main thread (the one that
+    gets signals)."""
+    _interrupt["requested"] = False
+    if threading.current_thread() is not threading.main_thread():
+        try:
+            yield
+        finally:
+            _interrupt["requested"] = False
+        return
+    old = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+        _interrupt["requested"] = False
+
+
 def _distributions(space: SearchSpace) -> dict:
     return {name: CategoricalDistribution(list(values)) for name, values in space.knobs.items()}
 
@@ -328,6 +502,7 @@ def run_study(spec: StudySpec, backend: Backend, storage=None, *, seed: int = 0,
     other worker on the same storage), ``timeout_s`` passes, or ``max_idle`` samples in a row were
     ruled out or already measured (the feasible space is exhausted). ``warm_start``: variants worth
     measuring first (the winners of the same kernel at a neighbouring token bucket)."""
+    check_interrupt()
     storage = _storage(storage)
     study = open_study(spec, storage, seed, worker)
     space = load_space(spec.kernel)
@@ -364,6 +539,7 @@ def run_study(spec: StudySpec, backend: Backend, storage=None, *, seed: int = 0,
     rng = random.Random(f"{seed}:{worker}:{spec.name}")
     idle = 0
     while True:
+        check_interrupt()  # (a safe point: a Ctrl-C swallowed during the last trial stops the run here)
         if deadline is not None and time.monotonic() > deadline:
             stats.stopped = "time budget reached"
             break
@@ -462,6 +638,7 @@ def _retime(backend: Backend, spec: StudySpec, pool: list, rounds: int, time_lim
     runs: dict = {v: [] for v in pool}
     dead: set = set()
     for r in range(rounds):
+        check_interrupt()
         order = pool[r % len(pool):] + pool[: r % len(pool)]
         for v in order:
             if v in dead:
@@ -487,6 +664,7 @@ def finalize(spec: StudySpec, backend: Backend, storage=None, *, top_k: int = 3,
     import torch
     import triton
 
+    check_interrupt()
     study = optuna.load_study(study_name=spec.name, storage=_storage(storage))
     trials = study.get_trials(deepcopy=False)
     done = sorted((t for t in trials if t.state == TrialState.COMPLETE and _measured(t)), key=lambda t: t.value)

@@ -10,8 +10,18 @@ import sys
 import time
 
 from ..planning import costs as cost_models
-from .backends import make_backend
-from .study import finalize, make_storage, open_study, run_study, sibling_best
+from .backends import DeviceLost, make_backend
+from .study import (
+    STORAGE_ERRORS,
+    StorageFailed,
+    check_interrupt,
+    finalize,
+    make_storage,
+    open_study,
+    run_study,
+    sibling_best,
+    storage_failure,
+)
 
 # How a plan's time is shared: the backward's trials take longest and its speed matters most; the
 # indexed dot is a small part of a call. And the time the final re-timing of a study takes (s).
@@ -30,10 +40,35 @@ def _study_timeout(deadline: float | None, remaining, workers: int = 1) -> float
     return max(1.0, left * share)
 
 
+# A worker's failure the parent re-raises (name slot of a results item; then (kind, one line)).
+_FAILED = "\0failed"
+
+
+class WorkersFailed(RuntimeError):
+    """Worker process(es) exited with an error of their own (printed by them above)."""
+
+
 def _worker_main(index: int, n_workers: int, backend_name: str, backend_kwargs: dict, storage_url: str,
                  specs: list, seed: int, deadline: float | None, trial_time_limit: float | None,
                  costs: dict | None, results, finalize_kwargs: dict) -> None:
+    # The failures the parent reports in one line are sent to it, and the worker exits without a
+    # traceback; Ctrl-C (which reaches every worker of the terminal's process group) exits quietly.
+    try:
+        _work(index, n_workers, backend_name, backend_kwargs, storage_url, specs, seed, deadline, trial_time_limit,
+              costs, results, finalize_kwargs)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except STORAGE_ERRORS as exc:
+        results.put((_FAILED, ("storage", f"worker {index}: {storage_failure(exc, storage_url)}")))
+        sys.exit(3)
+    except DeviceLost as exc:
+        results.put((_FAILED, ("device", f"worker {index}: {exc}")))
+        sys.exit(3)
 
+
+def _work(index: int, n_workers: int, backend_name: str, backend_kwargs: dict, storage_url: str,
+          specs: list, seed: int, deadline: float | None, trial_time_limit: float | None,
+          costs: dict | None, results, finalize_kwargs: dict) -> None:
     if costs is not None and specs:
         cost_models.set_cost_model(specs[0].gpu, cost_models.CostModel(**costs))
     backend = make_backend(backend_name, **backend_kwargs)
@@ -56,8 +91,9 @@ def run_workers(n: int, backend_name: str, backend_kwargs: dict, storage_url: st
     """Run ``n`` worker processes (worker i on GPU i) over ``specs``, sharing each study through the
     storage at ``storage_url``; with ``finalize_kwargs`` (for :func:`finalize`) each then finalises every
     n-th study. Returns {study name: entry dict or None} (``on_entry(name, entry dict)`` is called as
-    each arrives). ``costs``: the planner's coefficients for the workers to use. Raises if a worker
-    failed."""
+    each arrives). ``costs``: the planner's coefficients for the workers to use. A worker's failing
+    studies database or lost GPU is raised here as :class:`StorageFailed` or :class:`DeviceLost`, any
+    other failure of a worker as :class:`WorkersFailed`."""
     ctx = multiprocessing.get_context("spawn")
     # Create the studies once first, so workers never race to create them.
     storage = make_storage(storage_url)
@@ -73,13 +109,18 @@ def run_workers(n: int, backend_name: str, backend_kwargs: dict, storage_url: st
     for p in procs:
         p.start()
     found: dict = {}
+    failures: list = []
 
     def drain(block: bool) -> None:
         while True:
+            check_interrupt()  # (a safe point: a Ctrl-C swallowed while waiting stops the workers)
             try:
                 name, entry = results.get(timeout=0.2 if block else 0.0)
             except queue_mod.Empty:
                 return
+            if name == _FAILED:
+                failures.append(entry)
+                continue
             found[name] = entry
             if on_entry is not None:
                 on_entry(name, entry)
@@ -97,7 +138,9 @@ def run_workers(n: int, backend_name: str, backend_kwargs: dict, storage_url: st
         for p in procs:
             p.join()
         raise
+    for kind, line in failures:
+        raise (StorageFailed if kind == "storage" else DeviceLost)(line)
     bad = [f"{p.name} (exit {p.exitcode})" for p in procs if p.exitcode != 0]
     if bad:
-        raise RuntimeError(f"worker process(es) failed: {', '.join(bad)}")
+        raise WorkersFailed(f"worker process(es) failed: {', '.join(bad)}; their errors are printed above")
     return found
