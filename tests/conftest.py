@@ -20,6 +20,30 @@ if "CCE_AUTOTUNE_CACHE_DIR" not in os.environ:
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+def _release(version: str) -> tuple:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def interpreter_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter cannot run the kernels with these versions, or None. Triton before 3.7
+    turns a 1-element array into an index with int(), which numpy 2.4 refuses: every interpreted test
+    would fail with "only 0-dimensional arrays can be converted to Python scalars"."""
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (f"numpy {numpy_version} breaks the interpreter of Triton {triton_version} (the CPU tests run "
+                "the kernels through it): pip install 'numpy<2.4' (the [test] extra pins it), or Triton 3.7 or newer")
+    return None
+
+
+def pytest_configure(config):
+    if not HAS_CUDA:
+        import numpy
+        import triton
+
+        problem = interpreter_problem(triton.__version__, numpy.__version__)
+        if problem:
+            raise pytest.UsageError(problem)
+
+
 @pytest.fixture(autouse=True)
 def _forget_classifiers():
     """Each test starts without remembered vocabulary orders, pauses or filter checks (a stale one only

@@ -410,7 +410,7 @@ def test_first_and_paused_calls_filter_nothing(device, planned):
     exact = _mapped_call(e, c, t, tiles, filter_eps=None)
     first = _mapped_call(e, c, t, tiles)
     assert planned[-1].call.run_eps is None and "no tile map" in planned[-1].call.backward.reason
-    assert torch.equal(first, exact)
+    assert rel_err(first, exact) < 1e-5  # exact both (float atomics may order sums differently on a GPU)
     memory.pause(c, 1)
     paused = _mapped_call(e, c, t, tiles)
-    assert planned[-1].call.run_eps is None and torch.equal(paused, exact)
+    assert planned[-1].call.run_eps is None and rel_err(paused, exact) < 1e-5
