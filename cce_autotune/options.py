@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from .planning.budget import parse_bytes
 from .variant import KernelVariants, VariantError
 
-__all__ = ["Options", "REDUCTIONS", "IMPLS", "option_names", "option_parameters", "option_docs"]
+__all__ = ["Options", "REDUCTIONS", "IMPLS", "check_softcap", "option_names", "option_parameters", "option_docs"]
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "triton", "torch")
@@ -85,11 +85,7 @@ class Options:
             raise ValueError(f"reduction: {reduction!r} is not one of {list(REDUCTIONS)}")
         if impl not in IMPLS:
             raise ValueError(f"impl: {impl!r} is not one of {list(IMPLS)}")
-        if softcap is not None:
-            if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
-                    or softcap <= 0:
-                raise ValueError(f"softcap: expected a positive finite number or None, got {softcap!r}")
-            softcap = float(softcap)
+        softcap = check_softcap(softcap)
         ignore_index = o["ignore_index"]
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
@@ -135,6 +131,16 @@ class Options:
     @lru_cache(maxsize=256)
     def decode(text: str) -> "Options":
         return Options(**json.loads(text))
+
+
+def check_softcap(value) -> float | None:
+    """``softcap`` as a float, or None; ValueError naming it unless it is None or a positive finite
+    number (also what an activation file may hold: :mod:`cce_autotune.data.captured`)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softcap: expected a positive finite number or None, got {value!r}")
+    return float(value)
 
 
 def _number(name: str, value, lo: float, hi: float, hi_open: bool = True) -> float:

@@ -185,7 +185,8 @@ def test_return_dict_false_keeps_the_unpatched_positions():
         torch.testing.assert_close(a, b)
     model.config.return_dict = False  # the config's setting, not the keyword: the same tuple
     del kwargs["return_dict"]
-    assert len(model(**kwargs)) == 4 and model(**kwargs)[1] is None
+    out = model(**kwargs)
+    assert len(out) == 4 and out[1] is None
 
 
 def test_decoder_outputs_are_carried():

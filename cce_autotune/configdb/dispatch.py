@@ -144,7 +144,7 @@ def _unsearchable(folder: Path) -> str | None:
     except PermissionError as exc:
         return exc.strerror or str(exc)
     except OSError:
-        return None
+        pass
     return None
 
 

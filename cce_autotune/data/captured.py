@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-import math
-import numbers
 import threading
 import warnings
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..options import check_softcap
 from ..paths import save_torch_atomic
 
 __all__ = ["save_activations", "load_activations", "capture", "capture_activations", "Activations", "rows_for", "FORMAT"]
@@ -100,16 +99,6 @@ def _rows(e: torch.Tensor, targets: torch.Tensor, shift: int, ignore_index: int)
     return e[keep], targets[keep]
 
 
-def _softcap(value) -> float | None:
-    """The softcap as a float, or None; ValueError (without a prefix: callers name the source) unless
-    it is None or a positive finite number, as ``linear_cross_entropy`` requires."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"expected a positive finite number or None, got {value!r}")
-    return float(value)
-
-
 def save_activations(path, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, bias=None, *,
                      softcap: float | None = None, ignore_index: int = -100, shift: int = 0,
                      note: str = "") -> Path:
@@ -127,10 +116,7 @@ def save_activations(path, e: torch.Tensor, c: torch.Tensor, targets: torch.Tens
         raise TypeError(f"e, c: dtypes {e.dtype}, {c.dtype}: use float32, bfloat16 or float16")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (c.shape[0],)):
         raise ValueError(f"bias: expected a tensor of shape ({c.shape[0]},)")
-    try:
-        softcap = _softcap(softcap)
-    except ValueError as exc:
-        raise ValueError(f"softcap: {exc}") from None
+    softcap = check_softcap(softcap)
     with torch.no_grad():
         rows, t = _rows(e.detach(), targets.detach(), shift, ignore_index)
         if rows.shape[0] == 0:
@@ -181,9 +167,9 @@ def load_activations(path) -> Activations:
     if digest != body.get("sha256"):
         raise ValueError(f"{path}: the tensors do not match the file's SHA-256 (the file is damaged or was edited)")
     try:  # (not covered by the digest: a file must not hand the tuner a cap no call could use)
-        softcap = _softcap(body.get("softcap"))
+        softcap = check_softcap(body.get("softcap"))
     except ValueError as exc:
-        raise ValueError(f"{path}: field 'softcap': {exc}") from None
+        raise ValueError(f"{path}: field 'softcap': {str(exc).removeprefix('softcap: ')}") from None
     return Activations(e, c, t, bias, softcap, digest, path, str(body.get("note", "")))
 
 

@@ -152,15 +152,10 @@ def _cce_forward(self, patched: _Patch, args: tuple, kwargs: dict):
             raise TypeError(f"forward() got multiple values for argument {name!r}")
         kwargs[name] = value
     labels = kwargs.get("labels")
-    logits_to_keep = kwargs.get("logits_to_keep", 0)
-    if (
-        labels is None
-        or not self.training
-        or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
-        or self.loss_function is not patched.causal_lm_loss  # a custom loss: keep the model's own
-    ):
+    why = _why_original(self, patched, labels, kwargs.get("logits_to_keep", 0))
+    if why is not None:
         if captured.active():  # a capture block would otherwise end empty without saying why
-            captured.skipped(_why_original(self, patched, labels, logits_to_keep))
+            captured.skipped(why)
         return patched.original(self, **kwargs)
     head = self.lm_head
     if not _plain_linear(head):  # e.g. a LoRA adapter on lm_head: only calling it gives its logits
@@ -234,15 +229,18 @@ def _warn_head(model, head) -> None:
     )
 
 
-def _why_original(model, patched: _Patch, labels, logits_to_keep) -> str:
-    """Why the patched forward ran the original one (for a capture block that saved nothing)."""
+def _why_original(model, patched: _Patch, labels, logits_to_keep) -> str | None:
+    """Why the patched forward runs the original one (also what an empty capture block says), or
+    None: the loss is fused."""
     if labels is None:
         return "it was called without labels"
     if not model.training:
         return "the model is in eval mode (from_pretrained leaves it there: call model.train())"
-    if model.loss_function is not patched.causal_lm_loss:
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        return f"it was called with logits_to_keep={logits_to_keep!r}"
+    if model.loss_function is not patched.causal_lm_loss:  # a custom loss: keep the model's own
         return "the model has a custom loss_function"
-    return f"it was called with logits_to_keep={logits_to_keep!r}"
+    return None
 
 
 def _make_forward(original: Callable, options: dict[str, Any], owned: bool) -> Callable:

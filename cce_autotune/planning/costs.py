@@ -58,17 +58,15 @@ def coefficients() -> dict:
 
 # Provenance strings a tuned-config file's cost_model section may carry beside the coefficients.
 TEXT_FIELDS = ("measured_on", "note")
-# Integer coefficients the kernels use as a block size (a power of two, and Triton's blocks are bounded).
-_POW2 = {"fused_block_v": (16, 65536)}
 
 
 def check_section(section: Any, show: Callable[[Any], str] = repr) -> dict:
     """A tuned-config file's ``cost_model`` mapping, validated (ValueError naming the first problem,
     ``cost_model.<name>: ...``): every name a coefficient of :func:`coefficients` or one of
     :data:`TEXT_FIELDS` (strings); every coefficient a positive finite number, the integer ones
-    (counts, bytes, rows) positive integers, ``fused_block_v`` a power of two. What passes,
-    :class:`CostModel` and :func:`cost_model` take without raising, and no plan divides by zero or
-    loops forever on it. ``show`` formats a value for a message."""
+    (counts, bytes, rows) positive integers, a block size a power of two in its declared range
+    (``Coefficient.power_of_two``). What passes, :class:`CostModel` and :func:`cost_model` take
+    without raising, and no plan divides by zero or loops forever on it. ``show`` formats a value for a message."""
     if not isinstance(section, Mapping):
         raise ValueError(f"cost_model: expected a mapping of coefficient -> number, got {show(section)}")
     known = coefficients()
@@ -84,8 +82,8 @@ def check_section(section: Any, show: Callable[[Any], str] = repr) -> dict:
         elif known[name].integer:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"cost_model.{name}: expected a positive integer, got {show(v)}")
-            if name in _POW2:
-                lo, hi = _POW2[name]
+            if known[name].power_of_two:
+                lo, hi = known[name].power_of_two
                 if v & (v - 1) or not lo <= v <= hi:
                     raise ValueError(f"cost_model.{name}: expected a power of two in [{lo}, {hi}], got {show(v)}")
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

@@ -31,6 +31,7 @@ class Coefficient:
     doc: str
     fitted: bool = False
     integer: bool = False
+    power_of_two: tuple | None = None  # (lo, hi): an integer the kernels use as a block size
 
 
 @dataclass(frozen=True)

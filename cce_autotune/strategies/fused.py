@@ -59,7 +59,8 @@ class Fused(Strategy):
         Coefficient("block_ms", 0.12, "host time per block of rows"),
         Coefficient("fused_min_rows", 128, "fewest rows per block: below this cuBLAS reads C for each block of rows more "
                     "than it computes", integer=True),
-        Coefficient("fused_block_v", 2048, "columns per step of the row kernel", integer=True),
+        Coefficient("fused_block_v", 2048, "columns per step of the row kernel", integer=True,
+                    power_of_two=(16, 65536)),
     )
     space_rules = (
         ("fused_without_filter_knobs", "filter_eps is not None and sort_vocab and not tile_map",
