@@ -32,13 +32,19 @@ class CallProblem:
     e_view: bool = True  # E reshapes to (n_all, D) without a copy
     sorted_vocab: bool = False  # the vocabulary is walked in a permuted order (C chunks gathered)
     map_bytes: int = 0  # the forward's tile map, alive during the backward
+    c_elem: int = 0  # bytes per classifier element (0: as e's): dC's
+    cast_bytes: int = 0  # a classifier whose dtype is not e's: its copy in e's dtype (V x D x elem)
+
+    @property
+    def dc_elem(self) -> int:
+        return self.c_elem or self.elem
 
 
 @dataclass(frozen=True)
 class Option:
     """One strategy's answer for a call: its estimated ``cost`` (in matmuls of the shape), its peak
     ``extra_bytes``, whether it launches from the tile map, and its sizes (``BackwardPlan`` fields:
-    chunk_v, row_group, de_fp32, window_v, row_block)."""
+    chunk_v, row_group, de_fp32, window_v, row_block, dc_fp32)."""
 
     cost: float
     extra_bytes: int
@@ -57,6 +63,7 @@ class BackwardPlan:
     row_block: int = 0  # fused: rows per block of logits
     window_v: int = 0  # tiles with a map: walked positions per fp32 dC window (0: one V x D scratch)
     de_fp32: bool = True  # chunked: dE accumulated in an fp32 buffer (else in dE's own dtype)
+    dc_fp32: bool = False  # fused: a 16-bit dC summed over the blocks in an fp32 accumulator
     filter_eps: float | None = None  # the filter this plan's live grid used, when lowered from the call's
     live: float | None = None  # live-tile share the map measured
     live_chunks: float | None = None  # chunked: share of vocabulary chunks with a live tile
@@ -65,6 +72,8 @@ class BackwardPlan:
     budget: int | None = None
     reason: str = ""
     alternatives: tuple = field(default_factory=tuple)  # (strategy, cost, extra_bytes, why not)
+    tiles: Any = None  # the kernel's tiling when not the variant's: a dict of BackwardVariant fields
+
 
     def describe(self) -> str:
         parts = [f"backward {self.strategy}"]
@@ -75,7 +84,9 @@ class BackwardPlan:
         if self.window_v:
             parts.append(f"dC windows of {self.window_v}")
         if self.row_block:
-            parts.append(f"blocks of {self.row_block} rows")
+            parts.append(f"blocks of {self.row_block} rows" + (", dC accumulated in fp32" if self.dc_fp32 else ""))
+        if self.tiles:
+            parts.append("the forward's tiles {block_b}x{block_v}x{block_d}".format(**self.tiles))
         if self.live is not None:
             parts.append(f"live tiles {self.live:.1%}")
         if self.live_chunks is not None:

@@ -33,11 +33,11 @@ def terms_loss(e, c, t, b=None, *, softcap=None, reduction="mean", shift=0, labe
     return row.sum() if reduction == "sum" else row.sum() / w.sum()
 
 
-def compare(e, c, t, b, dtype, *, impl, variants=SMALL, filter_eps=None, **kw):
+def compare(e, c, t, b, dtype, *, impl, variants=SMALL, filter_eps=None, max_extra_memory="auto", **kw):
     """(err, tol) of the loss and each gradient, and checks the gradients' dtypes (e's for dE, the
     classifier's and bias's own for dC, dbias)."""
     ours = lambda e_, c_, b_: linear_cross_entropy(e_, c_, t, b_, impl=impl, variants=variants, filter_eps=filter_eps,
-                                                   **kw)
+                                                   max_extra_memory=max_extra_memory, **kw)
     out, g_ours = grads_of(ours, e, c, b)
     d64 = lambda x: x.double() if x is not None else None
     # The oracle differentiates the classifier as the kernels use it: rounded to e's dtype when wider.
@@ -130,12 +130,52 @@ def test_fused_strategy_with_token_weights(device):
     assert_within(res)
 
 
+def test_exact_fused_strategy_sums_a_16_bit_dc_in_fp32(device):
+    # Exact mode, a 16-bit classifier, blocks of fewer rows than the call: dC is summed over the blocks
+    # in an fp32 accumulator (one rounding, as the four-matmul plans), which the budget holds.
+    from cce_autotune.planning import explain
+    from cce_autotune.plans import CallProblem
+    from cce_autotune.strategies import fused
+
+    e, c, t, b = make_inputs((64,), 200, 32, torch.float16, device=device)
+    p = CallProblem(n=64, n_all=64, V=200, D=32, elem=2, grad_bytes=2 * (64 + 200) * 32)
+    kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
+    with explain.recording() as plans:
+        res = compare(e, c, with_ignored(t), None, torch.float16, impl="triton", variants=kv,
+                      max_extra_memory=fused.extra_bytes(p, 16, dc_fp32=True))
+    assert_within(res)
+    ran = [r.plan for r in plans if r.plan.strategy == "fused"]
+    assert ran and all(x.dc_fp32 and x.row_block == 16 for x in ran)
+
+
+def test_exact_chunked_strategy_runs_with_the_forwards_tiles(device):
+    # An exact backward computes every tile as the forward does: it runs with the forward variant's
+    # tiling (the backward variant's is tuned for the mapped backward), here 16 x 32 x 16 against
+    # 16 x 16 x 16, in one chunk of the whole vocabulary (301 columns: not whole tiles).
+    from cce_autotune.planning import explain
+
+    e, c, t, b = make_inputs((37,), 301, 45, torch.float32, bias=True, device=device)
+    kv = SMALL.replace(backward=SMALL.backward.replace(block_v=16, chunk_v=64, strategy="chunked"))
+    with explain.recording() as plans:
+        res = compare(e, c, with_ignored(t), b, torch.float32, impl="triton", variants=kv, softcap=10.0,
+                      max_extra_memory=None)
+    assert_within(res)
+    ran = [r.call.backward for r in plans if r.call is not None and r.call.backward is not None]
+    assert ran and ran[0].chunk_v >= 301 and ran[0].tiles == {
+        k: getattr(kv.lse_forward, k) for k in ("block_b", "block_v", "block_d", "group_b", "num_warps", "num_stages")}
+
+
 @pytest.mark.parametrize("strategy", ["tiles", "chunked", "sparse"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_mixed_precision_fp32_classifier(dtype, strategy, device, set_costs):
+def test_mixed_precision_fp32_classifier(dtype, strategy, device, set_costs, monkeypatch):
     # 16-bit e with the fp32 master classifier (and bias): dC and dbias come back in fp32, dE in e's
     # dtype. C is converted to e's dtype a chunk at a time (here 2 tiles, so that several chunks and
-    # windows run) or its tiles in registers (sparse). Mapped strategies included.
+    # windows run) or its tiles in registers (sparse), as when its whole copy does not fit the memory
+    # budget (forced here: the small budget it would take would also change the strategy). Mapped
+    # strategies included.
+    from cce_autotune.planning import planner
+
+    monkeypatch.setattr(planner, "_converts", lambda *a: False)
     set_costs(convert_bytes=2 * 32 * 45 * 2)
     e, _, t, _ = make_inputs((3, 17), 300, 45, dtype, device=device)
     _, c, _, b = make_inputs((3, 17), 300, 45, torch.float32, bias=True, device=device)

@@ -1,6 +1,8 @@
 """The planner: memory budgets, the choice among strategies, pausing, the fused forward, and every
 plan shape it can produce run against the float64 oracle."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -38,8 +40,8 @@ def plan_backward(p, variant, **kw):
     return planner.plan_backward(p, variant, costs=COSTS, **kw)
 
 
-def plan_fused(p, variant, **kw):
-    return planner.plan_fused(p, variant, costs=COSTS, **kw)
+def plan_fused(p, variant, max_extra_memory="auto", **kw):
+    return planner.plan_fused(p, variant, costs=COSTS, budget=planner.call_budget(p, max_extra_memory, False), **kw)
 
 
 def chunked_shape(p, block_v, chunk_v, budget, exact):
@@ -69,6 +71,26 @@ def test_memory_budget_default_environment_and_explicit(monkeypatch):
     monkeypatch.setenv(budgets.ENV_MAX_EXTRA, "plenty")
     with pytest.raises(ValueError, match=budgets.ENV_MAX_EXTRA):
         memory_budget("auto", 1000 * MiB)
+
+
+def test_an_fp32_classifier_is_converted_whole_within_the_budget():
+    # 16-bit e with an fp32 classifier: the default budget allows the classifier's copy in e's dtype
+    # (autocast holds the same copy for PyTorch's path), so it is converted once, whole, however
+    # large; the strategies' budget is what remains. A budget that cannot hold the copy converts it a
+    # chunk at a time inside the kernels.
+    from cce_autotune.options import Options
+    from cce_autotune.variant import KernelVariants
+
+    V, D, n = 32000, 4096, 8192
+    copy = V * D * 2
+    p = Problem(n=n, n_all=n, V=V, D=D, elem=2, grad_bytes=2 * n * D + 4 * V * D, c_elem=4, cast_bytes=copy)
+    assert copy > COSTS.convert_bytes
+    for budget, whole in (("auto", True), (None, True), (copy - 1, False)):
+        plan = planner.plan_call(Options.check(max_extra_memory=budget), "triton", KernelVariants(), False, p, COSTS,
+                                 wider_classifier=True)
+        assert plan.forward.convert_classifier == whole, budget
+    assert planner.call_budget(p, "auto", converted=True) == default_budget(p)
+    assert planner.call_budget(p, "auto", converted=False) == default_budget(p) + copy
 
 
 def test_loss_rejects_a_bad_budget_naming_the_argument(device):
@@ -172,6 +194,21 @@ def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
     assert plan is not None and plan.strategy == "fused" and plan.row_block >= COSTS.fused_min_rows
     assert plan.extra_bytes <= default_budget(p)
     assert plan_fused(p, v, paused=False, allowed=True) is None  # nothing says most tiles are live
+    # A call that filters nothing plans it too, but keeps exact accuracy: a 16-bit dC summed over
+    # several blocks needs an fp32 accumulator (none fits this budget: the four-matmul plan runs); one
+    # block of all rows, or an fp32 dC (an fp32 classifier), rounds nothing per block.
+    assert plan.row_block < p.n and not plan.dc_fp32
+    assert plan_fused(p, v, paused=False, exact=True, allowed=True) is None
+    whole = plan_fused(p, v, paused=False, exact=True, allowed=True, max_extra_memory=None)
+    assert whole.row_block == p.n and not whole.dc_fp32 and whole.reason.startswith("exact")
+    p32 = replace(p, c_elem=4, grad_bytes=p.grad_bytes + 2 * p.V * p.D)
+    exact32 = plan_fused(p32, v, paused=False, exact=True, allowed=True, max_extra_memory=fused.extra_bytes(p32, 2048))
+    assert exact32.row_block == 2048 and not exact32.dc_fp32
+    # Where the budget holds the accumulator beside a block, a 16-bit dC sums in it, exact or not.
+    room = 4 * p.V * p.D + fused.extra_bytes(p, 1024)
+    for exact in (False, True):
+        acc = plan_fused(p, v, paused=True, exact=exact, allowed=True, max_extra_memory=room)
+        assert acc.dc_fp32 and acc.row_block == 1024 and acc.extra_bytes <= room
     assert plan_fused(p, v, paused=True, allowed=False) is None  # e.g. reduction "none"
     assert plan_fused(p, v, paused=True, allowed=True, max_extra_memory=MiB) is None  # no room for a block
     assert plan_fused(p, v.replace(strategy="fused"), paused=False, allowed=True) is not None
@@ -336,7 +373,7 @@ def test_fused_matches_the_oracle(reduction, features, dtype, device, set_costs,
 def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(device, monkeypatch, set_costs):
     # Blocks of 16 rows (dC summed over blocks); a loss multiplied by 3 gets 3x the gradients.
     set_costs(fused_min_rows=1)
-    monkeypatch.setattr(fused, "extra_bytes", lambda p, R, dense_rows=True: R * 1000)
+    monkeypatch.setattr(fused, "extra_bytes", lambda p, R, dense_rows=True, dc_fp32=False: R * 1000)
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
     e, c, t, _ = make_inputs((70,), 130, 40, torch.float32, device=device)
     _, (ge, gc) = grads_of(lambda e_, c_: 3 * linear_cross_entropy(e_, c_, t, impl="triton", variants=kv,

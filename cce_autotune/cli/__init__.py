@@ -494,21 +494,24 @@ def _cmd_explain(args, out, err) -> int:
     costs = dispatch.costs_for(gpu)
     for B in args.tokens:
         for dtype in args.dtype or ["bf16"]:
-            bw = dispatch.explain(gpu, dtype, B, V, D, args.bias, args.softcap).variants.backward.replace(strategy="auto")
+            kv = dispatch.explain(gpu, dtype, B, V, D, args.bias, args.softcap).variants
+            bw = kv.backward.replace(strategy="auto")
             elem = 4 if dtype == "fp32" else 2
             grads = elem * (B + V) * D + (elem * V if args.bias else 0)
             p = CallProblem(n=B, n_all=B, V=V, D=D, elem=elem, grad_bytes=grads, sorted_vocab=True,
                             map_bytes=B * -(-V // 256))
-            budget = budgets.memory_budget(args.max_extra_memory, grads, 4 * B * D)
+            budget = planner.call_budget(p, args.max_extra_memory, converted=False)
             shown = "unlimited" if budget is None else f"{budget / MiB:.0f} MiB"
             out.write(f"GPU {gpu}, {dtype}, B={B}, V={V}, D={D}: memory budget {shown}; one matmul of the shape "
                       f"is about {mm_ms(p, costs):.2f} ms\n")
             first = planner.plan_backward(replace(p, sorted_vocab=False, map_bytes=0), bw, has_map=False,
                                           budget=budget, costs=costs, exact=True)
-            out.write(f"  first call / exact: {first.describe()}\n")
+            first = planner.with_forward_tiles(first, kv)
+            out.write(f"  first call: {first.describe()}\n")
+            exact = planner.plan_fused(p, bw, paused=False, exact=True, allowed=True, budget=budget, costs=costs)
+            out.write(f"  exact: {exact.describe() if exact is not None else 'as the first call'}\n")
             unfiltered = planner.unfiltered_cost(p, bw, budget, costs, fused_allowed=True)
-            fused = planner.plan_fused(p, bw, paused=True, allowed=True, max_extra_memory=args.max_extra_memory,
-                                       costs=costs)
+            fused = planner.plan_fused(p, bw, paused=True, allowed=True, budget=budget, costs=costs)
             for live in args.live:
                 # Each strategy's live blocks for a random spread of the live tiles.
                 ctx = PlanContext(problem=p, variant=bw, costs=costs, budget=budget, use_map=True, live=live,

@@ -2,7 +2,9 @@
 backward may hold at its peak, and the size strings that set it.
 
 By default ``0.05 · (|dE| + |dC|) + 32 MiB`` plus one fp32 copy of dE (its accumulator: 4·n·D bytes,
-the size of one activation whatever the vocabulary); the ``max_extra_memory`` argument or
+the size of one activation whatever the vocabulary) and, for a classifier of another dtype than e (an
+fp32 ``lm_head`` under autocast), one copy of it in e's dtype (the copy autocast makes for every
+``F.linear`` of it); the ``max_extra_memory`` argument or
 ``$CCE_AUTOTUNE_MAX_EXTRA_MEMORY`` ("2GiB", "512MiB", a byte count, "auto" or "none") change it.
 """
 
@@ -42,15 +44,16 @@ def parse_bytes(value, name: str = "max_extra_memory") -> int | None | str:
     return int(value)
 
 
-def memory_budget(requested, grad_bytes: int, accumulator_bytes: int = 0) -> int | None:
+def memory_budget(requested, grad_bytes: int, accumulator_bytes: int = 0, cast_bytes: int = 0) -> int | None:
     """Extra bytes the backward may hold: ``requested`` (a :func:`parse_bytes` value; "auto" defers to
     ``$CCE_AUTOTUNE_MAX_EXTRA_MEMORY``, then to the default ``0.05 · grad_bytes + 32 MiB`` plus
     ``accumulator_bytes``, one fp32 copy of dE: the accumulator that keeps dE at fp32 accuracy,
-    the size of one activation of the model, whatever the vocabulary)."""
+    the size of one activation of the model, whatever the vocabulary, plus ``cast_bytes``, the
+    classifier's copy in e's dtype when its own differs: what autocast holds for PyTorch's path)."""
     req = parse_bytes(requested)
     if req == "auto":
         env = os.environ.get(ENV_MAX_EXTRA)
         req = parse_bytes(env, ENV_MAX_EXTRA) if env else "auto"
     if req == "auto":
-        return int(0.05 * grad_bytes) + 32 * MiB + accumulator_bytes
+        return int(0.05 * grad_bytes) + 32 * MiB + accumulator_bytes + cast_bytes
     return req

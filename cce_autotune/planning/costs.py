@@ -36,8 +36,8 @@ COMMON = (
                 "this share of the best plan that filters nothing; else the classifier pauses"),
     Coefficient("pause_calls", 15, "calls a classifier pauses for (neither walking nor mapping) when filtering "
                 "cannot pay", integer=True),
-    Coefficient("convert_bytes", 128 * MiB, "bytes of one converted chunk of an fp32 classifier with 16-bit e (a "
-                "classifier that fits is converted whole, once)", integer=True),
+    Coefficient("convert_bytes", 128 * MiB, "bytes of one converted chunk of an fp32 classifier with 16-bit e when "
+                "it is not converted whole (its copy does not fit the memory budget)", integer=True),
     Coefficient("check_rows", 256, "rows the accuracy check samples", integer=True),
     Coefficient("check_every", 32, "calls of a classifier between two accuracy checks", integer=True),
     Coefficient("check_bytes", 64 * MiB, "the accuracy check's transient memory, at most", integer=True),

@@ -40,7 +40,7 @@ from . import accuracy, explain, filters
 from .budget import memory_budget
 
 __all__ = ["choose_impl", "plan_call", "plan_forward", "plan_gradients", "plan_backward", "plan_fused",
-           "fused_allowed", "records_map", "check_filter", "fingerprint", "decide", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
+           "fused_allowed", "records_map", "call_budget", "with_forward_tiles", "check_filter", "fingerprint", "decide", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
 
 
 # -- 1. the call ----------------------------------------------------------------------------------
@@ -85,14 +85,29 @@ def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = 
                 kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
         if p is not None:
             forward = ForwardPlan(
-                convert_classifier=_converts(p, costs, wider_classifier),
+                convert_classifier=_converts(p, o.max_extra_memory, wider_classifier),
                 convert_chunk=convert_width(p.V, p.D, kv.lse_forward.block_v, p.elem, costs.convert_bytes))
     return CallPlan(impl=impl, variants=kv, filter_eps=eps, deterministic=bool(o.deterministic), forward=forward,
                     costs=costs)
 
 
-def _converts(p: CallProblem, costs, wider_classifier: bool) -> bool:
-    return wider_classifier and p.V * p.D * p.elem <= costs.convert_bytes
+def _converts(p: CallProblem, max_extra_memory, wider_classifier: bool) -> bool:
+    """Whether a classifier of another dtype than e is converted whole, once: when its copy fits the
+    memory budget (the default budget allows it: autocast holds the same copy for PyTorch's path)."""
+    if not wider_classifier:
+        return False
+    budget = call_budget(p, max_extra_memory, converted=False)
+    return budget is None or p.V * p.D * p.elem <= budget
+
+
+def call_budget(p: CallProblem, max_extra_memory, converted: bool) -> int | None:
+    """The memory budget of a call's strategies (:func:`~cce_autotune.planning.budget.memory_budget`:
+    with dE's fp32 accumulator and, for a classifier of another dtype than e, its copy in e's dtype);
+    less that copy when the call makes it (``converted``: it is held for the whole call)."""
+    budget = memory_budget(max_extra_memory, p.grad_bytes, 4 * p.n_all * p.D, p.cast_bytes)
+    if budget is not None and converted:
+        budget = max(0, budget - p.V * p.D * p.elem)
+    return budget
 
 
 def fused_allowed(o, plan: CallPlan, wider_classifier: bool) -> bool:
@@ -132,9 +147,9 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
             walk = memory.order(c)
     fused = None
     asks_forward = bw.strategy != "auto" and strategies.get(bw.strategy).in_forward
-    if needs_grad and p.n > 0 and (paused or asks_forward):
-        fused = plan_fused(p, bw, paused=paused, dense_rows=dense_rows, allowed=fused_allowed,
-                           max_extra_memory=max_extra_memory, costs=costs)
+    if needs_grad and p.n > 0 and (paused or eps is None or asks_forward):
+        fused = plan_fused(p, bw, paused=paused, exact=eps is None, dense_rows=dense_rows, allowed=fused_allowed,
+                           budget=call_budget(p, max_extra_memory, plan.forward.convert_classifier), costs=costs)
     if fused is not None or paused:
         sort = False  # (paused: the planner found filtering cannot pay for this classifier now)
     forward = replace(plan.forward, walk=walk if fused is None else None, sort=sort,
@@ -145,16 +160,17 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
     return out
 
 
-def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, dense_rows: bool = True,
-               max_extra_memory="auto", costs) -> BackwardPlan | None:
+def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: bool = False, dense_rows: bool = True,
+               budget: int | None, costs) -> BackwardPlan | None:
     """The plan of gradients computed in the forward when it is the one to run, else None (the
     forward computes the LSE and the backward is planned when it runs).
 
-    The forward must decide before any tile map exists, so it goes by what the previous call of the
-    classifier found: ``paused`` (filtering could not pay: most tiles live) or a variant that asks
-    for an in-forward strategy. ``allowed``: the call's loss permits it. The strategy must fit the
-    budget with blocks of at least the cost model's ``fused_min_rows`` rows (or all rows) and beat
-    the forward plus the exact backward by the cost model, unless the variant asks for it."""
+    The forward must decide before any tile map exists, so it goes by what it knows: the call filters
+    nothing (``exact``), the previous call of the classifier found that filtering cannot pay
+    (``paused``: most tiles live), or the variant asks for an in-forward strategy. ``allowed``: the
+    call's loss permits it. The strategy must fit ``budget`` with blocks of at least the cost model's
+    ``fused_min_rows`` rows (or all rows) and beat the forward plus the exact backward by the cost
+    model, unless the variant asks for it."""
     if not allowed:
         return None
     if variant.strategy != "auto":
@@ -162,25 +178,29 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, dense_ro
         if not chosen.in_forward:
             return None
         forced = True
-    elif paused:
+    elif paused or exact:
         chosen = next((s for s in strategies.all_strategies() if s.in_forward), None)
         forced = False
         if chosen is None:
             return None
     else:
         return None
-    budget = memory_budget(max_extra_memory, p.grad_bytes, 4 * p.n_all * p.D)
-    opt = chosen.forward_option(p, costs, budget, dense_rows, forced=forced)
+    opt = chosen.forward_option(p, costs, budget, dense_rows, forced=forced, exact=exact)
     if opt is None:
         return None
     other = costs.forward + exact_cost(p, variant, budget, costs)
     if opt.cost >= other and not forced:
         return None
-    why = "the variant asks for it" if forced else (
-        "the previous call of this classifier found most tiles live; no recompute beats the forward plus "
-        f"an exact backward (est {other:.2f} mm)")
-    return BackwardPlan(strategy=chosen.name, use_map=False, row_block=opt.sizes["row_block"], cost=opt.cost,
-                        extra_bytes=opt.extra_bytes, budget=budget, reason=why)
+    if forced:
+        why = "the variant asks for it"
+    elif paused:
+        why = ("the previous call of this classifier found most tiles live; no recompute beats the forward plus "
+               f"an exact backward (est {other:.2f} mm)")
+    else:
+        why = f"exact: no recompute beats the forward plus an exact backward (est {other:.2f} mm)"
+    return BackwardPlan(strategy=chosen.name, use_map=False, row_block=opt.sizes["row_block"],
+                        dc_fp32=opt.sizes.get("dc_fp32", False), cost=opt.cost, extra_bytes=opt.extra_bytes,
+                        budget=budget, reason=why)
 
 
 # -- 3. the gradients ----------------------------------------------------------------------------
@@ -232,7 +252,7 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
         # measures what the filter would cost, so nothing is filtered.
         eps = None
         measured = "no tile map to check the filter against: exact"
-    budget = memory_budget(max_extra_memory, p.grad_bytes, 4 * p.n_all * p.D)
+    budget = call_budget(p, max_extra_memory, plan.forward.convert_classifier)
     chosen, live, blocks, pause, reported = decide(p, bw, eps, tmap, ev.lse, budget=budget, costs=costs,
                                                    fused_allowed=fused_allowed, deterministic=plan.deterministic,
                                                    why=measured, correction=direction is not None)
@@ -246,6 +266,7 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
         eps = None  # the plan for this call filters nothing either
     elif chosen.filter_eps is not None:
         eps = chosen.filter_eps  # lowered by the dropped-mass guard
+    chosen = with_forward_tiles(chosen, kv)
     strategy = strategies.get(chosen.strategy)
     if chosen.use_map:
         order = "map"  # the live grid is in the order the forward walked
@@ -259,6 +280,20 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
                   pause=pause_calls, checked=checked)
     explain.report(chosen, p, reported, call=out)
     return out
+
+
+TILING = ("block_b", "block_v", "block_d", "group_b", "num_warps", "num_stages")
+
+
+def with_forward_tiles(plan: BackwardPlan, variants) -> BackwardPlan:
+    """``plan`` with the LSE forward variant's tiling where its strategy computes every tile as the
+    forward does (no map, a strategy's ``forward_tiles``) and the backward variant's tiling differs."""
+    if plan.use_map or not strategies.get(plan.strategy).forward_tiles:
+        return plan
+    tiles = {k: getattr(variants.lse_forward, k) for k in TILING}
+    if all(getattr(variants.backward, k) == v for k, v in tiles.items()):
+        return plan
+    return replace(plan, tiles=tiles)
 
 
 def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, costs, *, correctable: bool = False,

@@ -97,7 +97,8 @@ class Call:
             n=self.n_rows, n_all=e.numel() // D, V=self.V, D=D, elem=e.element_size(),
             grad_bytes=sum(t.numel() * t.element_size() for t in (e, c, bias) if t is not None),
             e_view=_views_as_matrix(e), sorted_vocab=tile_map is not None,
-            map_bytes=tile_map.nbytes if tile_map is not None else 0,
+            map_bytes=tile_map.nbytes if tile_map is not None else 0, c_elem=c.element_size(),
+            cast_bytes=self.V * D * e.element_size() if c.dtype != e.dtype else 0,
         )
 
 

@@ -148,7 +148,8 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
     if bw.use_map and (tile_map is None or plan.live is None or plan.run_eps is None or perm is not tile_map.perm):
         raise ValueError("plan: a mapped backward needs the tile map, its live grid, filtering and the order the "
                          "forward walked")
-    variant = plan.variants.backward.replace(strategy=bw.strategy, filter_eps=plan.run_eps, sort_vocab=perm is not None)
+    variant = plan.variants.backward.replace(strategy=bw.strategy, filter_eps=plan.run_eps, sort_vocab=perm is not None,
+                                             **(bw.tiles or {}))
     coef_out = None
     rows = call.layout
     if bw.use_map and rows.n > 0:

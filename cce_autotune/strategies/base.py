@@ -76,6 +76,9 @@ class Strategy:
     - ``in_forward``: it computes the gradients during the forward (the backward only scales them);
     - ``deterministic``: its sums use no float atomics (the same bits every run);
     - ``takes_correction``: it can add the dead-tile correction;
+    - ``forward_tiles``: without a map its kernel computes every tile of the logits as the forward's
+      does, and it runs with the forward variant's tiling (tuned for that dense work: the backward
+      variant's is tuned for the mapped, filtered backward and can be many times slower dense);
     - ``coefficients``: its numbers in the cost model;
     - ``space_rules``: ``(name, rule, why)`` rules of the search space that hold when this strategy
       is asked for (rule language of :mod:`cce_autotune.tuner.space`);
@@ -92,6 +95,7 @@ class Strategy:
     in_forward: bool = False
     deterministic: bool = False
     takes_correction: bool = False
+    forward_tiles: bool = False
     coefficients: tuple = ()
     space_rules: tuple = ()
     calibration: tuple = ()
@@ -107,9 +111,10 @@ class Strategy:
         return True
 
     def forward_option(self, p: CallProblem, costs, budget: int | None, dense_rows: bool = True,
-                       forced: bool = False) -> Option | None:
+                       forced: bool = False, exact: bool = False) -> Option | None:
         """(``in_forward`` strategies) The estimate of forward and backward together (None: it cannot
-        run for the call, or, unless ``forced``, should not)."""
+        run for the call, or, unless ``forced``, should not; ``exact``: the call promises exact-mode
+        accuracy)."""
         return None
 
     def blocks(self, live, ctx: PlanContext):

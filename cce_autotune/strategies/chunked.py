@@ -67,13 +67,17 @@ def shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact:
     :func:`cost` (fewer, wider blocks move less memory and launch less).  Only when none
     fits is dE accumulated in its own dtype (the widest chunk that fits, halving down to 256
     columns; 1024 when none fits).  Exact gradients always keep the fp32 dE (their accuracy
-    promise). ``row_group`` is 0 when all rows go in one block."""
+    promise), and are not narrowed to the variant's ``chunk_v`` (tuned for the mapped backward: an
+    exact one computes every tile, with the forward's tiling). ``row_group`` is 0 when all rows go in
+    one block."""
     return _shape(p, block_v, chunk_v, budget, exact, costs)
 
 
 @lru_cache(maxsize=256)  # pure, and asked for several times per call (decide, each plan, the exact cost)
 def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact: bool, costs) -> tuple[int, bool, int]:
-    top = max(block_v, min(chunk_v, -(-p.V // block_v) * block_v))
+    whole = -(-p.V // block_v) * block_v
+    # (exact: powers of two from the whole vocabulary's down, multiples of any tile width)
+    top = max(block_v, 1 << (whole - 1).bit_length() if exact else min(chunk_v, whole))
     floor = max(block_v, min(top, 1024))
     narrowest = max(block_v, 256)
     widths = []
@@ -149,6 +153,7 @@ class Chunked(Strategy):
     knobs = ("chunk_v",)
     deterministic = True
     takes_correction = True
+    forward_tiles = True
     coefficients = (
         Coefficient("recompute", 1.25, "the gradient kernel, per unit of live-tile share", fitted=True),
         Coefficient("products", 2.0, "its two cuBLAS products, per unit of live-chunk share (also the fused "
@@ -211,14 +216,16 @@ class Chunked(Strategy):
         de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
         de2 = de.view(N, D)
         acc = torch.zeros((N, D), dtype=torch.float32, device=dev) if plan.de_fp32 else de2
-        dc = torch.empty(c.shape, dtype=dc_dtype or c.dtype, device=dev)
+        # Every chunk is written unless a map skips it (or no row takes part): then it stays zero, set
+        # once here rather than one scatter (and a host-to-device copy) per skipped chunk.
+        skips = chunks is not None or n == 0
+        dc = (torch.zeros if skips else torch.empty)(c.shape, dtype=dc_dtype or c.dtype, device=dev)
         dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
         # Deterministic: the kernel's float atomics into dbias go to a scratch that is dropped; dbias is
         # summed from each chunk's g instead.
         dbias_k = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None and deterministic else dbias
         W = min(plan.chunk_v or variant.chunk_v, V)
         n_chunks = triton.cdiv(V, W)
-        computed = [False] * n_chunks
         if n > 0:
             use_live = live is not None
             groups = _row_groups(e, rows, plan.row_group, variant.block_b, N)
@@ -297,16 +304,9 @@ class Chunked(Strategy):
                         dc[lo : lo + w] = dc_part[:w]
                     else:
                         dc[cols] = dc_part[:w].to(dc.dtype)
-                computed[k] = True
-        for k in range(n_chunks):
-            if not computed[k]:
-                lo = k * W
-                if perm is None:
-                    dc[lo : lo + W].zero_()
-                else:
-                    dc[perm[lo : lo + W].long()] = 0
         if coef_out is not None and n > 0:  # target terms of rows whose target tile is dead
-            add_target_terms(c, e2, rows, targets, coef_out, tile_map.zt, softcap, acc, dc, dbias)
+            add_target_terms(c, e2, rows, targets, coef_out, tile_map.zt, softcap, acc, dc, dbias,
+                             deterministic=deterministic)
         if dead_dir is not None and n > 0:
             # The skipped tiles' softmax mass along the fitted direction (a row without a gradient has an
             # infinite LSE: no mass).

@@ -2,8 +2,10 @@
 block's fp32 logits, a kernel its LSE, target logit and gradient g, cuBLAS dE[block] = g C and
 dC += g^T E[block]; the backward only scales them by the incoming gradient. No recompute (three
 matmuls where the others need four when most tiles are live), at the price of the logit block (rows x
-V, fp32, and g) and of one rounding of dC per block; for the "mean" and "sum" reductions without the
-LSE's gradient (the planner takes it only then).
+V, fp32, and g). dC sums over the blocks: straight into an fp32 dC (an fp32 classifier), else in an
+fp32 accumulator (V x D, 4 bytes each) where the plan says so, else in dC's own dtype with one
+rounding per block (not for exact calls: their dC error would grow with the number of blocks). For
+the "mean" and "sum" reductions without the LSE's gradient (the planner takes it only then).
 """
 
 from __future__ import annotations
@@ -17,34 +19,38 @@ from .common import RowLayout, add_matmul, flags, mm_fp32_out, softcap_arg
 __all__ = ["Fused", "STRATEGY", "extra_bytes", "cost", "block_rows"]
 
 
-def extra_bytes(p: CallProblem, row_block: int, dense_rows: bool = True) -> int:
-    """A block's fp32 logits and its gradient (and, rows not dense, its rows of E and of dE)."""
+def extra_bytes(p: CallProblem, row_block: int, dense_rows: bool = True, dc_fp32: bool = False) -> int:
+    """A block's fp32 logits and its gradient (and, rows not dense, its rows of E and of dE); with
+    ``dc_fp32``, dC's fp32 accumulator."""
     R = min(row_block, p.n)
     b = R * p.V * (4 + p.elem)  # the block's fp32 logits and its gradient
     if not dense_rows:
         b += 2 * R * p.D * p.elem  # the block's rows of E gathered, its dE before the scatter
+    if dc_fp32:
+        b += 4 * p.V * p.D
     return b + 4 * p.V
 
 
-def cost(p: CallProblem, costs, row_block: int) -> float:
+def cost(p: CallProblem, costs, row_block: int, dc_fp32: bool = False) -> float:
     """Forward and backward together: three products (logits, dE, dC), slowed where a block of rows
     is too short for cuBLAS to reuse each row of C it reads; the logit block's traffic (fp32 logits
-    written and read twice, g written and read twice); dC read and written once per block."""
+    written and read twice, g written and read twice); dC (or its fp32 accumulator) read and written
+    once per block."""
     R = max(1, min(row_block, p.n))
     reuse = max(1.0, costs.flops_per_byte / R)
     traffic = (12 + 3 * p.elem) * costs.flops_per_byte / (2 * p.D)
-    dc_traffic = p.elem * costs.flops_per_byte / R  # dC read and written once per block of rows
+    dc_traffic = (4 if dc_fp32 else p.dc_elem) * costs.flops_per_byte / R  # dC read and written once per block
     host = costs.block_ms * -(-p.n // R) / mm_ms(p, costs)
     return max(1.5 * costs.products * reuse + traffic + dc_traffic, host)
 
 
-def block_rows(p: CallProblem, budget: int | None, dense_rows: bool = True) -> int | None:
+def block_rows(p: CallProblem, budget: int | None, dense_rows: bool = True, dc_fp32: bool = False) -> int | None:
     """Rows per logit block of the fused strategy: all of them, else the most (a multiple of 16)
     whose block fits ``budget``; None when not even 16 do."""
     R = -(-p.n // 16) * 16
-    while budget is not None and R > 16 and extra_bytes(p, R, dense_rows) > budget:
+    while budget is not None and R > 16 and extra_bytes(p, R, dense_rows, dc_fp32) > budget:
         R = max(16, (R // 2) // 16 * 16)
-    if budget is not None and extra_bytes(p, R, dense_rows) > budget:
+    if budget is not None and extra_bytes(p, R, dense_rows, dc_fp32) > budget:
         return None
     return min(R, p.n)
 
@@ -73,17 +79,25 @@ class Fused(Strategy):
         return None  # (it runs in the forward: see forward_option)
 
     def forward_option(self, p: CallProblem, costs, budget: int | None, dense_rows: bool = True,
-                       forced: bool = False) -> Option | None:
+                       forced: bool = False, exact: bool = False) -> Option | None:
         """The estimate of forward and backward together, with the most rows per block that fit
-        ``budget`` (None: not even 16 rows fit, or, unless ``forced``, fewer than the cost model's
-        ``fused_min_rows``)."""
+        ``budget``. A 16-bit dC that takes more than one block sums in an fp32 accumulator where it
+        fits beside a block, else (not when ``exact``) in dC itself. None: nothing fits, or, unless
+        ``forced``, blocks of fewer rows than the cost model's ``fused_min_rows``."""
         R = block_rows(p, budget, dense_rows)
+        acc = False
+        if R is not None and R < p.n and p.dc_elem < 4:
+            with_acc = block_rows(p, budget, dense_rows, dc_fp32=True)
+            if with_acc is not None and (with_acc >= min(p.n, costs.fused_min_rows) or forced):
+                R, acc = with_acc, with_acc < p.n
+            elif exact:
+                R = None
         if R is None or (R < min(p.n, costs.fused_min_rows) and not forced):
             return None
-        return Option(cost(p, costs, R), extra_bytes(p, R, dense_rows), sizes=dict(row_block=R))
+        return Option(cost(p, costs, R, acc), extra_bytes(p, R, dense_rows, acc), sizes=dict(row_block=R, dc_fp32=acc))
 
     def forward_cost(self, p: CallProblem, costs, plan) -> float:
-        return cost(p, costs, plan.row_block)
+        return cost(p, costs, plan.row_block, plan.dc_fp32)
 
     def run_forward(self, e, c, bias, rows: RowLayout, targets, coef, softcap, variant, plan, *,
                     dc_dtype: torch.dtype | None = None, block_v: int = 2048):
@@ -104,6 +118,8 @@ class Fused(Strategy):
         de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
         de2 = de.view(-1, D)
         dc = torch.zeros(c.shape, dtype=dc_dtype or c.dtype, device=dev)
+        acc = torch.zeros(c.shape, dtype=torch.float32, device=dev) if plan.dc_fp32 and dc.dtype != torch.float32 \
+            else dc  # (dC's fp32 accumulator, when the plan has one)
         dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
         if n == 0:
             return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None
@@ -126,9 +142,11 @@ class Fused(Strategy):
                 torch.mm(g_blk, c, out=de2[r0:r1])
             else:
                 de2[row_idx[r0:r1]] = g_blk @ c
-            add_matmul(dc, g_blk.T, e_blk)  # fp32 inside cuBLAS, one rounding per block of rows (none for fp32 dC)
+            add_matmul(acc, g_blk.T, e_blk)  # fp32 inside cuBLAS; in a 16-bit dC one rounding per block of rows
             if dbias is not None:
                 dbias += g_blk.sum(0, dtype=torch.float32)
+        if acc is not dc:
+            dc.copy_(acc)
         return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None
 
 

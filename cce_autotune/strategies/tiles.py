@@ -102,7 +102,7 @@ class Tiles(Strategy):
             if use_map:
                 tiles = tile_ids(live, variant.group_b)
                 add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap,
-                                 de.view(-1, D), dc, dbias)
+                                 de.view(-1, D), dc, dbias, deterministic=False)  # (atomics anyway)
             else:
                 tiles = None
             _launch(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant,
@@ -180,7 +180,8 @@ def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coe
                 tiles[first:first + count], de32, scratch, dbias, dc_lo=lo, c_window=window)
         first += count
         dc.index_copy_(0, perm[lo:lo + w].long(), scratch[:w].to(dc.dtype))
-    add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap, de32.view(-1, D), dc, dbias)
+    add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap, de32.view(-1, D), dc, dbias,
+                     deterministic=False)  # (atomics anyway)
     if dbias is not None:
         dbias = dbias.to(bias.dtype)
     return de32.to(e.dtype), dc, dbias
