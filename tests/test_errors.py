@@ -59,7 +59,16 @@ def test_bad_input_names_the_argument(mutate, exc, name, impl):
     e, c, t, kw = mutate(e, c, t, {"impl": impl})
     with pytest.raises(exc) as info:
         linear_cross_entropy(e, c, t, **kw)
+        land_checks()
     assert str(info.value).startswith(name + ":"), str(info.value)
+
+
+def land_checks():
+    """On a GPU a call checks its targets' range without a host sync: wait for the check, and make
+    the call that raises what it found (nothing where it found nothing)."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        linear_cross_entropy(*ok_inputs())
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -79,6 +88,39 @@ def test_targets_out_of_range_other_than_ignore_index():
     t[1, 2] = -7
     with pytest.raises(ValueError, match=r"targets: value -7 is outside \[0, 20\)"):
         linear_cross_entropy(e, c, t, impl="torch")
+        land_checks()
+
+
+def test_an_out_of_range_targets_row_has_a_nan_loss_and_no_gradient():
+    # What a GPU call computes until its range check lands (the CPU raises at once): a NaN loss, and
+    # no gradient from the row (its target is not read).
+    from cce_autotune.options import Options
+    from cce_autotune.runtime import execute
+    from cce_autotune.runtime.call import prepare
+
+    e, c, t = (x.cpu() for x in ok_inputs())
+    t[1, 2] = 25
+    call = prepare(e, c, t, None, None, Options.check(), "torch")
+    assert call.out_of_range.sum() == 1 and call.weights[call.out_of_range].item() == 0.0
+    assert call.targets.max() < V
+    lse = torch.zeros(call.n_rows)
+    loss, _ = execute._reduce(call, lse, torch.zeros(call.n_rows), None)
+    assert torch.isnan(loss)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_targets_out_of_range_on_a_gpu_raise_without_a_host_sync(impl):
+    # The call itself does not wait for the check: its loss is NaN, and the ValueError comes from the
+    # first call that finds the check's copy landed (here the same call's backward).
+    e, c, t = (x.cuda() for x in ok_inputs())
+    e.requires_grad_()
+    t[1, 2] = 25
+    loss = linear_cross_entropy(e, c, t, impl=impl)
+    assert torch.isnan(loss).item()  # (this test's own sync)
+    with pytest.raises(ValueError, match=r"targets: value 25 is outside \[0, 20\)"):
+        loss.backward()
+    linear_cross_entropy(e, c, t.clamp(0, V - 1), impl=impl).backward()  # reported once
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

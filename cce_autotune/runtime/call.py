@@ -13,6 +13,7 @@ kernels take ``coef_s`` and ``coef_t``; the uniform ``coef_u`` term adds rank-on
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from ..options import Options
 from ..plans import CallProblem
 from ..strategies.common import RowLayout
 
-__all__ = ["Call", "prepare", "pred_shape"]
+__all__ = ["Call", "prepare", "pred_shape", "raise_landed_checks"]
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Call:
     options: Options
     pred_shape: torch.Size  # shape of the predicted targets (targets[..., shift:])
     valid: torch.Tensor  # (n,) bool: the position's target is not ignore_index
-    weights: torch.Tensor  # (n,) fp32: the token weight of each position, 0 where ignored
+    weights: torch.Tensor  # (n,) fp32: the token weight of each position, 0 where ignored (or out of range)
     rows: torch.Tensor  # row index of each predicting position in e.reshape(-1, D)
     layout: RowLayout | None  # how the kernels address those rows (Triton path)
     targets: torch.Tensor  # (n,) int64 target of each position; 0 where ignored or out of range
@@ -52,15 +53,38 @@ class Call:
     def reduction(self) -> str:
         return self.options.reduction
 
-    def check_targets(self) -> None:
-        """Raise on a target outside [0, V) that is not ignore_index (one device-to-host copy; the
-        kernels only ever see in-range targets)."""
+    @property
+    def out_of_range(self) -> torch.Tensor:
+        """(n,) bool: the position's target is not ignore_index and lies outside [0, V)."""
         t = self.raw_targets
-        bad = self.valid & ((t < 0) | (t >= self.V))
-        if self.n_rows and bool(bad.any()):
-            value = t[bad][0].item()
-            raise ValueError(f"targets: value {value} is outside [0, {self.V}) and is not "
-                             f"ignore_index={self.options.ignore_index}")
+        return self.valid & ((t < 0) | (t >= self.V))
+
+    def check_targets(self) -> None:
+        """Raise on a target outside [0, V) that is not ignore_index (the kernels only ever see
+        in-range targets, and such a row's loss is NaN). On the CPU at once; on a GPU without a
+        host sync: the finding is copied to the host asynchronously and raised by the first call of
+        this process (this call's backward, usually) that finds the copy landed
+        (:func:`raise_landed_checks`). Not at all while a CUDA graph is being captured."""
+        if not self.n_rows:
+            return
+        bad = self.out_of_range
+        t = self.raw_targets
+        if not t.is_cuda:
+            if bool(bad.any()):
+                self._raise(int(t[bad][0]))
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        found = torch.stack([bad.any().long(), t[bad.int().argmax()].long()])
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host.copy_(found, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        with _pending_lock:
+            _pending.append((landed, host, self.V, self.options.ignore_index))
+
+    def _raise(self, value: int) -> None:
+        raise ValueError(_out_of_range_message(value, self.V, self.options.ignore_index))
 
     def denominator(self) -> torch.Tensor:
         """What "mean" divides by: the summed weights of the non-ignored positions (their count
@@ -102,6 +126,30 @@ class Call:
         )
 
 
+_pending: list = []  # (event, pinned host copy of (found, value), V, ignore_index) of GPU range checks in flight
+_pending_lock = threading.Lock()
+
+
+def _out_of_range_message(value: int, V: int, ignore_index: int) -> str:
+    return f"targets: value {value} is outside [0, {V}) and is not ignore_index={ignore_index}"
+
+
+def raise_landed_checks() -> None:
+    """Raise the ValueError of the first GPU range check (:meth:`Call.check_targets`) whose host copy
+    has landed and found a target out of range; checks still in flight stay for a later call."""
+    if not _pending or torch.cuda.is_current_stream_capturing():
+        return
+    with _pending_lock:
+        landed = [x for x in _pending if x[0].query()]
+        for x in landed:
+            _pending.remove(x)
+    for _, host, V, ignore_index in landed:
+        found, value = host.tolist()
+        if found:
+            raise ValueError(_out_of_range_message(value, V, ignore_index) + " (found by a GPU check without a host "
+                             "sync: in this call or an earlier one of this process; that call's loss was NaN)")
+
+
 def pred_shape(batch, shift: int) -> torch.Size:
     """The shape of the predicted targets of a batch shape (``targets[..., shift:]``)."""
     return torch.Size(tuple(batch[:-1]) + (batch[-1] - shift,))
@@ -116,12 +164,15 @@ def prepare(e, c, targets, bias, token_weights, o: Options, impl: str) -> Call:
     shape = pred_shape(batch, o.shift)
     raw = targets.narrow(-1, o.shift, T - o.shift).reshape(-1)
     valid = raw.long() != o.ignore_index
-    tgt = torch.where(valid & (raw >= 0) & (raw < V), raw, 0).to(torch.int64)
-    weights = valid.float()
+    in_range = (raw >= 0) & (raw < V)
+    tgt = torch.where(valid & in_range, raw, 0).to(torch.int64)
+    # A position whose target is out of range (an error, raised by check_targets) has no gradient.
+    takes_part = valid & in_range
+    weights = takes_part.float()
     if token_weights is not None:
         # A select: the weight of an ignored position (NaN or inf where a padding sequence's weights
         # are 1/0) never reaches the loss or the gradients.
-        weights = torch.where(valid, token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1).float(), 0.0)
+        weights = torch.where(takes_part, token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1).float(), 0.0)
     # Row of each prediction in e.reshape(-1, D).
     rows = _grid_offsets(shape, _contiguous_strides(batch), dev)
     layout = _row_layout(e, shape, rows) if impl == "triton" else None

@@ -63,9 +63,7 @@ def forward(plan: CallPlan, call: Call, e, c, bias) -> tuple:
         state.fused = (de, dc, dbias)
     else:
         zt = fwd.indexed_dot(e, ck, bias, call.layout, call.targets, call.softcap, kv.indexed_dot)
-        # The call's one device-to-host copy, just before the main kernel's launch, so that the
-        # GPU does not wait for the host's preparations.
-        call.check_targets()
+        call.check_targets()  # (no host sync on a GPU)
         lse, state.tile_map = fwd.lse_forward(e, ck, bias, call.layout, call.softcap, kv.lse_forward, perm=fp.walk,
                                               zt=zt if fp.walk is not None else None, convert_chunk=fp.convert_chunk)
     zsum = None
@@ -101,6 +99,7 @@ def _reduce(call: Call, lse, zt, zsum) -> tuple:
     row = torch.where(call.valid, row, 0.0)
     if call.has_token_weights:
         row = row * call.weights  # (ignored rows stay 0, NaN rows stay NaN where the weight is not 0)
+    row = torch.where(call.out_of_range, float("nan"), row)  # (an error: see Call.check_targets)
     if o.reduction == "none":
         loss = row.view(call.pred_shape)
     elif o.reduction == "sum":

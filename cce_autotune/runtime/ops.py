@@ -29,7 +29,7 @@ from ..options import Options
 from ..planning import planner
 from ..variant import KernelVariants, VariantError
 from . import execute
-from .call import pred_shape, prepare
+from .call import pred_shape, prepare, raise_landed_checks
 
 __all__ = ["lce_forward", "lce_backward", "start"]
 
@@ -59,6 +59,7 @@ def start(e, c, targets, bias, token_weights, o: Options) -> tuple:
     """``(call, plan)``: the call's tensors (:func:`.call.prepare`) and its first plan
     (:func:`~cce_autotune.planning.planner.plan_call`: PyTorch or the kernels, their variants, the
     filter, the classifier's conversion); ``plan`` is None on the PyTorch path."""
+    raise_landed_checks()  # (an earlier GPU call's range check, landed without a sync)
     impl = planner.choose_impl(o, e.device)
     variants, dispatched = _variants(o, e, c, bias, impl)
     call = prepare(e, c, targets, bias, token_weights, o, impl)
