@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 22 (speed in the user's loop) on one H200. Phases ($PHASES, default "tests lm mixed train"):
+#   tests: the CUDA tests of what changed;
+#   lm:    the head's fw+bw side by side with PyTorch, Apple's CCE and Liger (carry .whl:
+#          ../shared/tools/device-wheels cut-cross-entropy==25.1.1 liger-kernel==0.8.5) on LM-like data,
+#          every mode of ours ($LM_SHAPES, $METHODS);
+#   mixed: the fp32 classifier under autocast on real hidden states ($MIXED_SHAPES);
+#   train: whole training steps, fp32 master weights under bf16 autocast ($TRAIN_SHAPES).
+# Results under $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$HOME/site" .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:$HOME/site"
+fi
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
+PEERS=apple_cce,liger_flce
+for phase in ${PHASES:-tests lm mixed train}; do
+  case $phase in
+  tests)
+    X=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+    timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider $X tests/test_loss.py tests/test_loss_terms.py tests/test_errors.py \
+      tests/test_determinism.py tests/test_planner.py tests/test_compile.py > "$OUT/pytest_gpu.txt" 2>&1
+    echo "pytest rc $?"; tail -1 "$OUT/pytest_gpu.txt" ;;
+  lm)
+    M=${METHODS:-torch,cce_autotune,cce_autotune_exact,cce_autotune_deterministic,cce_autotune_unlimited,$PEERS}
+    timeout ${LM_S:-300} python3 -m cce_autotune.bench --out "$OUT" --tag lm --data lm --shapes ${LM_SHAPES:-mistral,llama3,gemma2} \
+      --methods "$M" --reps ${REPS:-30} > "$OUT/bench_lm.txt" 2>&1
+    echo "== bench lm rc $?"; grep -E "^[a-z0-9]+ lm: .*fw\+bw|matmul" "$OUT/bench_lm.txt" | cut -c1-175 ;;
+  mixed)
+    timeout ${MIXED_S:-200} python3 -m cce_autotune.bench --out "$OUT" --tag mixed --data real --classifier fp32 \
+      --shapes ${MIXED_SHAPES:-8192:32000:4096} --methods "torch,cce_autotune,cce_autotune_exact,cce_autotune_cast,$PEERS" \
+      --reps ${REPS:-30} > "$OUT/bench_mixed.txt" 2>&1
+    echo "== bench mixed rc $?"; grep -E "real: .*fw\+bw|matmul" "$OUT/bench_mixed.txt" | cut -c1-175 ;;
+  train)
+    timeout ${TRAIN_S:-300} python3 -m cce_autotune.bench --out "$OUT" --tag train --train --data real \
+      --shapes ${TRAIN_SHAPES:-gpt768,gpt4096} --methods "torch,cce_autotune,cce_autotune_exact,cce_autotune_cast,$PEERS" \
+      --loop-steps ${LOOP_STEPS:-30} > "$OUT/bench_train.txt" 2>&1
+    echo "== bench train rc $?"; grep -E "train_step" "$OUT/bench_train.txt" | head -20 ;;
+  esac
+done
