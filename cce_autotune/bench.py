@@ -23,6 +23,13 @@ B of a ``--shapes`` B:V:D triple); every method times the plain loss (the file's
 not applied). ``--softcap S`` applies a logit softcap ``S * tanh(z / S)`` (Gemma 2's 30) in every
 method, the peers' included, and in the reference; the shape's name then ends in ``+softcapS``.
 
+``--grid`` runs the heads of :data:`GRID` (the vocabulary and hidden sizes of known models, B = 8192,
+Gemma 2's with its softcap; Llama 3 8B's also at 2,048 and 32,768 tokens) on LM-like and real data with
+every mode: PyTorch, ours by default, exact, deterministic, without a memory budget, with the fp32
+classifier of a mixed-precision loop under autocast (``cce_autotune_fp32_classifier``), and the peers;
+``--shapes`` picks some of its heads. Every row also has ``host_ms``: the median minus the device's
+busy time, the host's share of a call.
+
 ``--train`` times the training call sequence instead: for each real head and each loss method, the
 same pretrained small GPT takes ``--loop-steps`` further AdamW steps (bf16 autocast, fp32 master
 weights), the classifier changing between calls as in training.  Rows have ``pass`` = ``train_step``:
@@ -52,7 +59,7 @@ from .data import real as realdata
 from .runtime import reference
 from .variant import KernelVariants
 
-__all__ = ["SHAPES", "DEFAULT_SHAPES", "resolve_shapes", "parse_data", "time_ms", "run_shape",
+__all__ = ["SHAPES", "DEFAULT_SHAPES", "GRID", "resolve_shapes", "resolve_grid", "parse_data", "time_ms", "run_shape",
            "check_train_shape", "run_train", "main"]
 
 SHAPES = {
@@ -65,12 +72,31 @@ SHAPES = {
     "gpt4096": (8192, 50000, 4096),
 }
 DEFAULT_SHAPES = {"lm": "gemma2,llama3,mistral", "random": "gemma2,llama3,mistral", "real": "gpt768,gpt2048,gpt4096"}
+# --grid: the heads of known models at B = 8192 (Gemma 2's with its softcap 30), and Llama 3 8B's head at
+# 2,048 and 32,768 tokens: name -> (B, V, D, softcap).
+GRID = {
+    "32000x4096": (8192, 32000, 4096, None),
+    "50257x768": (8192, 50257, 768, None),
+    "50000x2048": (8192, 50000, 2048, None),
+    "128256x2048": (8192, 128256, 2048, None),
+    "128256x4096": (8192, 128256, 4096, None),
+    "128256x8192": (8192, 128256, 8192, None),
+    "151936x896": (8192, 151936, 896, None),
+    "152064x3584": (8192, 152064, 3584, None),
+    "256000x2304": (8192, 256000, 2304, 30.0),
+    "262208x2560": (8192, 262208, 2560, None),
+    "128256x4096_B2048": (2048, 128256, 4096, None),
+    "128256x4096_B32768": (32768, 128256, 4096, None),
+}
+GRID_DATA = "lm,real"
+GRID_METHODS = ("torch", "cce_autotune", "cce_autotune_exact", "cce_autotune_fp32_classifier", "cce_autotune_deterministic",
+                "cce_autotune_unlimited", "apple_cce", "liger_flce")
 ERROR_CALLS = 3  # steady-state calls whose worst errors are reported
 MEMORY_CALLS = 20  # calls whose peak memory is reported (more than one cycle of the planner's pauses)
 TRAIN_WARMUP_STEPS = 5  # --train: untimed steps per method (compilation, autotuning, optimiser state)
 TRAIN_LOSS_STEPS = 10  # --train: the loss reported is the mean over this many last steps
 COLUMNS = ["gpu", "torch", "triton", "data", "shape", "B", "V", "D", "dtype", "method", "pass", "median_ms",
-           "p20_ms", "p80_ms", "ratio_to_matmul", "peak_extra_mib", "err_loss", "err_de", "err_dc", "device_ms"]
+           "p20_ms", "p80_ms", "ratio_to_matmul", "peak_extra_mib", "err_loss", "err_de", "err_dc", "device_ms", "host_ms"]
 DEVICE_CALLS = 5  # calls profiled for the device time of a call
 
 
@@ -109,6 +135,16 @@ def resolve_shapes(spec: str | None, data: str) -> list[tuple[str, int, int, int
             raise ValueError(f"--shapes: {s!r} has a size below 1")
         shapes.append((s.replace(":", "x"), B, V, D))
     return shapes
+
+
+def resolve_grid(spec: str | None) -> list[tuple[str, int, int, int, float | None]]:
+    """(name, B, V, D, softcap) of the --grid heads: all of :data:`GRID`, or those a ``--shapes`` comma
+    list names. ValueError naming ``--shapes``."""
+    names = list(GRID) if spec is None else [s for s in spec.split(",") if s]
+    unknown = [n for n in names if n not in GRID]
+    if unknown or not names:
+        raise ValueError(f"--shapes: with --grid, a comma list of {list(GRID)} (got {unknown or spec!r})")
+    return [(n, *GRID[n]) for n in names]
 
 
 def time_ms(fn: Callable[[], object], grad_to_none=None, warmup: int = 25, rep: int = 200) -> tuple[float, float, float]:
@@ -173,7 +209,7 @@ def _mixed_methods(methods: list[Method], dtype: torch.dtype, softcap: float | N
     the peers, which need one dtype, on the cast classifier."""
     out = [Method("torch", lambda e, c, t: _autocast_ce(e, c, t, dtype, softcap))]
     for m in methods:
-        if m.name == "torch":
+        if m.name in ("torch", "cce_autotune_fp32_classifier"):  # (the latter: what every call of this run is)
             continue
         if m.name.startswith("cce_autotune"):
             out.append(m)
@@ -198,6 +234,12 @@ def _autocast_ce(e, c, t, dtype, softcap=None):
     return torch.nn.functional.cross_entropy(_capped(logits, softcap), t)
 
 
+def _autocast_ours(e, c, t, softcap=None):
+    """Ours as a mixed-precision loop calls it: inside autocast to e's dtype (16-bit), with c as given."""
+    with torch.autocast(e.device.type, dtype=e.dtype, enabled=e.dtype in (torch.float16, torch.bfloat16)):
+        return linear_cross_entropy(e, c, t, softcap=softcap)
+
+
 def _methods(include_peers: bool, softcap: float | None = None) -> list[Method]:
     """The methods of a run, each computing the loss with ``softcap`` (None: plain logits)."""
     sc = softcap
@@ -214,6 +256,8 @@ def _methods(include_peers: bool, softcap: float | None = None) -> list[Method]:
         # No memory budget: the planner may take the V x D fp32 scratch of the tile kernel, or large
         # logit blocks for the fused strategy (the speed that memory buys).
         Method("cce_autotune_unlimited", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, max_extra_memory=None)),
+        # A mixed-precision loop's call: the fp32 master classifier, under autocast (16-bit e).
+        Method("cce_autotune_fp32_classifier", lambda e, c, t: _autocast_ours(e, c, t, sc), classifier_dtype=torch.float32),
     ]
     if not include_peers:
         return ms
@@ -306,7 +350,8 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_o
                 ee.grad = cc.grad = None
                 dev = device_ms(fn, grad_to_none=[ee, cc])
                 rows.append(dict(base, method=m.name, **{"pass": pas}, median_ms=med, p20_ms=p20, p80_ms=p80,
-                                 ratio_to_matmul=med / floor, peak_extra_mib=mem, device_ms=dev, **err))
+                                 ratio_to_matmul=med / floor, peak_extra_mib=mem, device_ms=dev,
+                                 host_ms=max(0.0, med - dev) if math.isfinite(dev) else math.nan, **err))
                 log(f"{name} {data}: {m.name:22s} {pas:6s} {med:8.2f} ms  {med / floor:5.2f}x  {mem:9.1f} MiB  "
                     f"loss {err['err_loss']:.1e} dE {err['err_de']:.1e} dC {err['err_dc']:.1e}  "
                     f"device {dev:.2f} ms ({max(0.0, med - dev):.2f} ms not on the device)")
@@ -460,7 +505,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="cce-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=None,
                     help=f"comma list of {sorted(SHAPES)} or B:V:D triples (default per data kind: {DEFAULT_SHAPES})")
-    ap.add_argument("--data", default="lm,random",
+    ap.add_argument("--data", default=None,
                     help=f"comma list of {', '.join(DATA_KINDS)} or activation files (.pt, written by "
                          "cce_autotune.data.captured.save_activations / capture: their own head, all their rows)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -480,14 +525,24 @@ def main(argv=None) -> int:
                          "(real data only; each GPT is first trained in-process for --train-steps steps)")
     ap.add_argument("--loop-steps", type=int, default=40,
                     help=f"--train: timed steps per method, after {TRAIN_WARMUP_STEPS} untimed ones")
+    ap.add_argument("--grid", action="store_true",
+                    help=f"the grid: every head of {list(GRID)} (or those --shapes names), on --data (default "
+                         f"{GRID_DATA}), with {', '.join(GRID_METHODS)} (those that import); Gemma 2's head with its "
+                         "softcap 30")
     ap.add_argument("--out", default="benchmarks/results", help="folder for the CSV and PNG")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     args = ap.parse_args(argv)
+    if args.grid and (args.train or args.softcap is not None or args.classifier != "same"):
+        ap.error("--grid: times the heads alone, with their own softcaps and every mode (the fp32 classifier "
+                 "included); not with --train, --softcap or --classifier")
     try:
-        kinds = ["real"] if args.train else parse_data(args.data)
-        plan = [(data, shape) for data in kinds for shape in resolve_shapes(args.shapes, data)]
+        kinds = ["real"] if args.train else parse_data(args.data or (GRID_DATA if args.grid else "lm,random"))
+        if args.grid:
+            plan = [(data, shape) for data in kinds for shape in resolve_grid(args.shapes)]
+        else:
+            plan = [(data, (*shape, args.softcap)) for data in kinds for shape in resolve_shapes(args.shapes, data)]
         if args.train:
-            for _, (name, B, _, _) in plan:
+            for _, (name, B, _, _, _) in plan:
                 check_train_shape(name, B)
     except ValueError as exc:
         ap.error(str(exc))
@@ -507,34 +562,38 @@ def main(argv=None) -> int:
     import triton
 
     dtype = TORCH_DTYPES[args.dtype]
-    methods = _methods(not args.no_peers, args.softcap)
-    if args.train:  # ours after casting the master weight to the compute dtype (see run_train)
-        methods.append(Method("cce_autotune_cast", lambda e, c, t: linear_cross_entropy(e, c, t)))
     classifier_dtype = None
     if args.classifier == "fp32":
         if dtype == torch.float32:
             ap.error("--classifier fp32: needs a 16-bit --dtype")
         classifier_dtype = torch.float32
-        methods = _mixed_methods(methods, dtype, args.softcap)
-    if args.methods:
-        keep = set(args.methods.split(","))
-        methods = [m for m in methods if m.name in keep]
+    keep = set(args.methods.split(",")) if args.methods else set(GRID_METHODS) if args.grid else None
+
+    def methods_for(softcap):
+        methods = _methods(not args.no_peers, softcap)
+        if args.train:  # ours after casting the master weight to the compute dtype (see run_train)
+            methods.append(Method("cce_autotune_cast", lambda e, c, t: linear_cross_entropy(e, c, t)))
+        if classifier_dtype is not None:
+            methods = _mixed_methods(methods, dtype, softcap)
+        return [m for m in methods if keep is None or m.name in keep]
+
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}", flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     rows = []
-    for data, (name, B, V, D) in plan:
+    for data, (name, B, V, D, softcap) in plan:
+        methods = methods_for(softcap)
         if args.train:
             rows += run_train(name, B, V, D, methods, meta, pretrain_steps=args.train_steps,
                               loop_steps=args.loop_steps, log=log)
         else:
             options = {"steps": args.train_steps} if data == "real" else {}
-            if args.softcap is not None:
-                name = f"{name}+softcap{args.softcap:g}"
+            if softcap is not None:
+                name = f"{name}+softcap{softcap:g}"
             rows += run_shape(name, B, V, D, data, dtype, methods, args.reps, meta, log=log, data_options=options,
-                              classifier_dtype=classifier_dtype, softcap=args.softcap)
+                              classifier_dtype=classifier_dtype, softcap=softcap)
     out = Path(args.out)
-    stem = f"{'train' if args.train else 'bench'}_{meta['gpu'].replace(' ', '_')}{('_' + args.tag) if args.tag else ''}"
+    stem = f"{'train' if args.train else 'grid' if args.grid else 'bench'}_{meta['gpu'].replace(' ', '_')}{('_' + args.tag) if args.tag else ''}"
     write_csv(rows, out / f"{stem}.csv")
     drew = plot(rows, out / f"{stem}.png")
     print_table(rows)

@@ -126,6 +126,11 @@ def test_bench_shapes_and_arguments(capsys):
     with pytest.raises(ValueError, match="^--shapes: 'gpt9'"):
         bench.resolve_shapes("gpt9", "real")
     assert bench.parse_data("lm,real") == ["lm", "real"]
+    grid = bench.resolve_grid(None)
+    assert len(grid) == 12 and ("256000x2304", 8192, 256000, 2304, 30.0) in grid
+    assert {(B, V, D) for _, B, V, D, _ in grid} >= {(2048, 128256, 4096), (32768, 128256, 4096), (8192, 32000, 4096)}
+    assert bench.resolve_grid("50257x768,128256x4096_B2048") == [("50257x768", 8192, 50257, 768, None),
+                                                                ("128256x4096_B2048", 2048, 128256, 4096, None)]
     with pytest.raises(ValueError, match="^--data: 'reel'"):
         bench.parse_data("lm,reel")
     for argv, message in ((["--data", "reel"], "--data: 'reel'"), (["--train", "--dtype", "fp32"], "--dtype:"),
@@ -133,7 +138,10 @@ def test_bench_shapes_and_arguments(capsys):
                           (["--train", "--shapes", "1000:300:32"], "--shapes: 1000x300x32 has B=1000"),
                           (["--softcap", "0"], "--softcap: expected a positive number"),
                           (["--softcap", "nan"], "--softcap: expected a positive number"),
-                          (["--train", "--softcap", "30"], "--softcap: --train")):
+                          (["--train", "--softcap", "30"], "--softcap: --train"),
+                          (["--grid", "--shapes", "gemma2"], "--shapes: with --grid, a comma list of"),
+                          (["--grid", "--train"], "--grid: times the heads alone"),
+                          (["--grid", "--classifier", "fp32"], "--grid: times the heads alone")):
         with pytest.raises(SystemExit) as exit_info:
             bench.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -158,7 +166,7 @@ def test_bench_methods_and_reference_apply_the_softcap(softcap):
     assert float((ref_dc - cd.grad).norm() / cd.grad.norm()) < 1e-5
     plain = float(torch.nn.functional.cross_entropy(e @ c.T, t))
     for m in bench._methods(include_peers=False, softcap=softcap):
-        if m.name in ("torch", "cce_autotune", "cce_autotune_exact", "cce_autotune_default"):
+        if m.name in ("torch", "cce_autotune", "cce_autotune_exact", "cce_autotune_default", "cce_autotune_fp32_classifier"):
             assert float(m.loss(e, c, t)) == pytest.approx(float(want), rel=1e-5), m.name
     if softcap:
         assert abs(plain - float(want)) > 1e-2  # the cap changes this loss: the check above can fail
