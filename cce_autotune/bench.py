@@ -349,12 +349,12 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_o
                                      calls=MEMORY_CALLS)
                 ee.grad = cc.grad = None
                 dev = device_ms(fn, grad_to_none=[ee, cc])
+                host = max(0.0, med - dev) if math.isfinite(dev) else math.nan
                 rows.append(dict(base, method=m.name, **{"pass": pas}, median_ms=med, p20_ms=p20, p80_ms=p80,
-                                 ratio_to_matmul=med / floor, peak_extra_mib=mem, device_ms=dev,
-                                 host_ms=max(0.0, med - dev) if math.isfinite(dev) else math.nan, **err))
+                                 ratio_to_matmul=med / floor, peak_extra_mib=mem, device_ms=dev, host_ms=host, **err))
                 log(f"{name} {data}: {m.name:22s} {pas:6s} {med:8.2f} ms  {med / floor:5.2f}x  {mem:9.1f} MiB  "
                     f"loss {err['err_loss']:.1e} dE {err['err_de']:.1e} dC {err['err_dc']:.1e}  "
-                    f"device {dev:.2f} ms ({max(0.0, med - dev):.2f} ms not on the device)")
+                    f"device {dev:.2f} ms ({host:.2f} ms not on the device)")
             del ee, cc, loss
         except Exception as exc:  # a peer failing must not stop the others
             log(f"{name} {data}: {m.name} FAILED: {exc!r}")

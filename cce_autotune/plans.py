@@ -74,7 +74,6 @@ class BackwardPlan:
     alternatives: tuple = field(default_factory=tuple)  # (strategy, cost, extra_bytes, why not)
     tiles: Any = None  # the kernel's tiling when not the variant's: a dict of BackwardVariant fields
 
-
     def describe(self) -> str:
         parts = [f"backward {self.strategy}"]
         if self.chunk_v:

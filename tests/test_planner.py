@@ -86,8 +86,7 @@ def test_an_fp32_classifier_is_converted_whole_within_the_budget():
     p = Problem(n=n, n_all=n, V=V, D=D, elem=2, grad_bytes=2 * n * D + 4 * V * D, c_elem=4, cast_bytes=copy)
     assert copy > COSTS.convert_bytes
     for budget, whole in (("auto", True), (None, True), (copy - 1, False)):
-        plan = planner.plan_call(Options.check(max_extra_memory=budget), "triton", KernelVariants(), False, p, COSTS,
-                                 wider_classifier=True)
+        plan = planner.plan_call(Options.check(max_extra_memory=budget), "triton", KernelVariants(), False, p, COSTS)
         assert plan.forward.convert_classifier == whole, budget
     assert planner.call_budget(p, "auto", converted=True) == default_budget(p)
     assert planner.call_budget(p, "auto", converted=False) == default_budget(p) + copy

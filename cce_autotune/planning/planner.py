@@ -61,13 +61,13 @@ def choose_impl(o, device) -> str:
     return impl
 
 
-def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = None, costs=None,
-              wider_classifier: bool = False) -> CallPlan:
+def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = None, costs=None) -> CallPlan:
     """The call's first plan: ``variants`` as the kernels run them (``dispatched``: they come from
     the tuned-config database, not from the caller), the filter, determinism; on the kernels' path
-    (``p`` and ``costs`` given), how an fp32 classifier with 16-bit e (``wider_classifier``) is
-    converted: whole, once, when the copy fits one conversion chunk (then every strategy runs as for a
-    16-bit classifier), else a chunk or window at a time inside the kernel launches."""
+    (``p`` and ``costs`` given), how a classifier of another dtype than e (``p.cast_bytes``: an fp32
+    one with 16-bit e) is converted: whole, once, when the copy fits the memory budget (then every
+    strategy runs as for a 16-bit classifier), else a chunk or window at a time inside the kernel
+    launches."""
     kv = variants
     eps = None
     forward = ForwardPlan()
@@ -85,19 +85,19 @@ def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = 
                 kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
         if p is not None:
             forward = ForwardPlan(
-                convert_classifier=_converts(p, o.max_extra_memory, wider_classifier),
+                convert_classifier=_converts(p, o.max_extra_memory),
                 convert_chunk=convert_width(p.V, p.D, kv.lse_forward.block_v, p.elem, costs.convert_bytes))
     return CallPlan(impl=impl, variants=kv, filter_eps=eps, deterministic=bool(o.deterministic), forward=forward,
                     costs=costs)
 
 
-def _converts(p: CallProblem, max_extra_memory, wider_classifier: bool) -> bool:
+def _converts(p: CallProblem, max_extra_memory) -> bool:
     """Whether a classifier of another dtype than e is converted whole, once: when its copy fits the
     memory budget (the default budget allows it: autocast holds the same copy for PyTorch's path)."""
-    if not wider_classifier:
+    if not p.cast_bytes:
         return False
     budget = call_budget(p, max_extra_memory, converted=False)
-    return budget is None or p.V * p.D * p.elem <= budget
+    return budget is None or p.cast_bytes <= budget
 
 
 def call_budget(p: CallProblem, max_extra_memory, converted: bool) -> int | None:
@@ -106,7 +106,7 @@ def call_budget(p: CallProblem, max_extra_memory, converted: bool) -> int | None
     less that copy when the call makes it (``converted``: it is held for the whole call)."""
     budget = memory_budget(max_extra_memory, p.grad_bytes, 4 * p.n_all * p.D, p.cast_bytes)
     if budget is not None and converted:
-        budget = max(0, budget - p.V * p.D * p.elem)
+        budget = max(0, budget - p.cast_bytes)
     return budget
 
 

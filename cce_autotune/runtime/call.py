@@ -37,6 +37,7 @@ class Call:
     rows: torch.Tensor  # row index of each predicting position in e.reshape(-1, D)
     layout: RowLayout | None  # how the kernels address those rows (Triton path)
     targets: torch.Tensor  # (n,) int64 target of each position; 0 where ignored or out of range
+    out_of_range: torch.Tensor  # (n,) bool: the target is not ignore_index and lies outside [0, V) (an error)
     raw_targets: torch.Tensor  # (n,) the targets as given (for the range check)
     V: int
     has_token_weights: bool = False
@@ -53,12 +54,6 @@ class Call:
     def reduction(self) -> str:
         return self.options.reduction
 
-    @property
-    def out_of_range(self) -> torch.Tensor:
-        """(n,) bool: the position's target is not ignore_index and lies outside [0, V)."""
-        t = self.raw_targets
-        return self.valid & ((t < 0) | (t >= self.V))
-
     def check_targets(self) -> None:
         """Raise on a target outside [0, V) that is not ignore_index (the kernels only ever see
         in-range targets, and such a row's loss is NaN). On the CPU at once; on a GPU without a
@@ -71,7 +66,7 @@ class Call:
         t = self.raw_targets
         if not t.is_cuda:
             if bool(bad.any()):
-                self._raise(int(t[bad][0]))
+                raise ValueError(_out_of_range_message(int(t[bad][0]), self.V, self.options.ignore_index))
             return
         if torch.cuda.is_current_stream_capturing():
             return
@@ -82,9 +77,6 @@ class Call:
         landed.record()
         with _pending_lock:
             _pending.append((landed, host, self.V, self.options.ignore_index))
-
-    def _raise(self, value: int) -> None:
-        raise ValueError(_out_of_range_message(value, self.V, self.options.ignore_index))
 
     def denominator(self) -> torch.Tensor:
         """What "mean" divides by: the summed weights of the non-ignored positions (their count
@@ -164,10 +156,10 @@ def prepare(e, c, targets, bias, token_weights, o: Options, impl: str) -> Call:
     shape = pred_shape(batch, o.shift)
     raw = targets.narrow(-1, o.shift, T - o.shift).reshape(-1)
     valid = raw.long() != o.ignore_index
-    in_range = (raw >= 0) & (raw < V)
-    tgt = torch.where(valid & in_range, raw, 0).to(torch.int64)
+    out_of_range = valid & ((raw < 0) | (raw >= V))
     # A position whose target is out of range (an error, raised by check_targets) has no gradient.
-    takes_part = valid & in_range
+    takes_part = valid & ~out_of_range
+    tgt = torch.where(takes_part, raw, 0).to(torch.int64)
     weights = takes_part.float()
     if token_weights is not None:
         # A select: the weight of an ignored position (NaN or inf where a padding sequence's weights
@@ -177,7 +169,7 @@ def prepare(e, c, targets, bias, token_weights, o: Options, impl: str) -> Call:
     rows = _grid_offsets(shape, _contiguous_strides(batch), dev)
     layout = _row_layout(e, shape, rows) if impl == "triton" else None
     return Call(impl=impl, options=o, pred_shape=shape, valid=valid, weights=weights, rows=rows, layout=layout,
-                targets=tgt, raw_targets=raw, V=V, has_token_weights=token_weights is not None)
+                targets=tgt, out_of_range=out_of_range, raw_targets=raw, V=V, has_token_weights=token_weights is not None)
 
 
 def _grid_offsets(shape, strides, device) -> torch.Tensor:

@@ -65,8 +65,7 @@ def start(e, c, targets, bias, token_weights, o: Options) -> tuple:
     call = prepare(e, c, targets, bias, token_weights, o, impl)
     if impl == "torch":
         return call, None
-    plan = planner.plan_call(o, impl, variants, dispatched, call.problem(e, c, bias), _costs(e.device),
-                             wider_classifier=c.dtype != e.dtype)
+    plan = planner.plan_call(o, impl, variants, dispatched, call.problem(e, c, bias), _costs(e.device))
     return call, plan
 
 
