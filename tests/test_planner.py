@@ -186,6 +186,22 @@ def test_chunk_grid_marks_live_blocks_per_row_group():
     assert grid.tolist() == [[True, False], [False, True]]
 
 
+@pytest.mark.parametrize("n", [100, 3000, 8192])
+@pytest.mark.parametrize("dense", [True, False])
+def test_fused_blocks_are_all_rows_or_the_largest_power_of_two_that_fits(n, dense):
+    # The block is its fp32 logits alone (g is written over them): 4 bytes per logit, not 4 + 2.
+    p = Problem(n=n, n_all=n, V=32000, D=4096, elem=2, grad_bytes=0)
+    assert fused.extra_bytes(p, 16) == 16 * 32000 * 4 + 4 * 32000
+    assert fused.block_rows(p, None, dense) == n
+    assert fused.block_rows(p, fused.extra_bytes(p, n, dense), dense) == n
+    for budget in (176 * MiB, 50 * MiB, 10 * MiB):
+        R = fused.block_rows(p, budget, dense)
+        assert fused.extra_bytes(p, R, dense) <= budget
+        if R < n:
+            assert R >= 16 and R & (R - 1) == 0 and fused.extra_bytes(p, 2 * R, dense) > budget
+    assert fused.block_rows(p, fused.extra_bytes(p, 15, dense), dense) is None  # not even 16 rows
+
+
 def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
     p = problem("gpt4096")
     v = BackwardVariant()
