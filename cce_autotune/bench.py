@@ -35,7 +35,9 @@ same pretrained small GPT takes ``--loop-steps`` further AdamW steps (bf16 autoc
 weights), the classifier changing between calls as in training.  Rows have ``pass`` = ``train_step``:
 the median (p20, p80) time of a whole step, the peak memory of a step above what the model and the
 optimiser hold, and in ``err_loss`` the relative difference of the mean loss of the last steps from
-the ``torch`` method's on the same batches (both are printed).
+the ``torch`` method's on the same batches (both are printed). ``--train --hf llama,gemma2,qwen3`` times
+Hugging Face models of those families instead, unpatched, patched and with Liger's patch
+(:mod:`cce_autotune.bench_hf`).
 """
 
 from __future__ import annotations
@@ -421,27 +423,12 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
             model.zero_grad(set_to_none=True)
             memory.clear()
             opt = realdata.make_optimizer(model, lr)
-            batches = realdata.batches(train_ids, B // seq, seq, seed=1)
-            times, losses = [], []
-            for i in range(warmup + loop_steps):
-                x, y = next(batches)
-                if i == warmup and device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                    mem_base = torch.cuda.memory_allocated(device)
-                _sync(device)
-                start = time.perf_counter()
-                losses.append(realdata.train_step(model, opt, x, y, loss_fn))
-                _sync(device)
-                times.append(time.perf_counter() - start)
-            mem = (torch.cuda.max_memory_allocated(device) - mem_base) / 2**20 if device.type == "cuda" else math.nan
-            p20, med, p80 = (1e3 * float(q) for q in torch.tensor(times[warmup:]).quantile(torch.tensor([0.2, 0.5, 0.8])))
-            loss = float(torch.stack(losses[-TRAIN_LOSS_STEPS:]).mean())
+            row, loss = time_train_steps(model, opt, realdata.batches(train_ids, B // seq, seq, seed=1), loss_fn,
+                                         warmup, loop_steps, device, ref_loss)
             if m.name == "torch":
-                ref_loss = loss
-            err = abs(loss - ref_loss) / ref_loss if ref_loss is not None else math.nan
-            rows.append(dict(base, method=m.name, **{"pass": "train_step"}, median_ms=med, p20_ms=p20, p80_ms=p80,
-                             ratio_to_matmul=math.nan, peak_extra_mib=mem, err_loss=err, err_de=math.nan,
-                             err_dc=math.nan))
+                ref_loss, row["err_loss"] = loss, 0.0
+            rows.append(dict(base, method=m.name, **row))
+            med, mem = row["median_ms"], row["peak_extra_mib"]
             ref = f"{ref_loss:.4f}" if ref_loss is not None else "n/a"
             log(f"{name} real: {m.name:22s} train_step {med:8.2f} ms  {mem:9.1f} MiB  loss {loss:.4f} (torch {ref})")
             del opt
@@ -451,6 +438,33 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def time_train_steps(model, opt, batches, loss_fn, warmup: int, loop_steps: int, device, ref_loss=None) -> tuple:
+    """``(row, loss)``: ``warmup`` untimed and ``loop_steps`` timed steps of
+    :func:`cce_autotune.data.real.train_step` on ``batches``, each timed from the host, synchronised
+    before and after; ``row`` holds the ``train_step`` columns (the median, p20, p80 step; the peak
+    memory a timed step holds above what the model and the optimiser held before it, CUDA only, else
+    nan; ``err_loss`` against ``ref_loss``) and ``loss`` is the mean of the last steps' losses."""
+    device = torch.device(device)
+    times, losses = [], []
+    for i in range(warmup + loop_steps):
+        x, y = next(batches)
+        if i == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            mem_base = torch.cuda.memory_allocated(device)
+        _sync(device)
+        start = time.perf_counter()
+        losses.append(realdata.train_step(model, opt, x, y, loss_fn))
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    mem = (torch.cuda.max_memory_allocated(device) - mem_base) / 2**20 if device.type == "cuda" else math.nan
+    p20, med, p80 = (1e3 * float(q) for q in torch.tensor(times[warmup:]).quantile(torch.tensor([0.2, 0.5, 0.8])))
+    loss = float(torch.stack(losses[-TRAIN_LOSS_STEPS:]).mean())
+    err = abs(loss - ref_loss) / ref_loss if ref_loss is not None else math.nan
+    row = {"pass": "train_step", "median_ms": med, "p20_ms": p20, "p80_ms": p80, "ratio_to_matmul": math.nan,
+           "peak_extra_mib": mem, "err_loss": err, "err_de": math.nan, "err_dc": math.nan}
+    return row, loss
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -523,6 +537,10 @@ def main(argv=None) -> int:
     ap.add_argument("--train", action="store_true",
                     help="time whole training steps of the real-data GPTs per loss method instead of the loss alone "
                          "(real data only; each GPT is first trained in-process for --train-steps steps)")
+    ap.add_argument("--hf", default=None, metavar="FAMILIES",
+                    help="--train: Hugging Face models of these families instead of the GPTs (comma list of "
+                         "llama, gemma2, qwen3, or all; a few decoder layers of the released model's widths, built "
+                         "from configs, unpatched, patch(model) and Liger's patch; --shapes adds the GPTs back)")
     ap.add_argument("--loop-steps", type=int, default=40,
                     help=f"--train: timed steps per method, after {TRAIN_WARMUP_STEPS} untimed ones")
     ap.add_argument("--grid", action="store_true",
@@ -532,6 +550,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results", help="folder for the CSV and PNG")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     args = ap.parse_args(argv)
+    hf_families = []
+    if args.hf is not None:
+        if not args.train:
+            ap.error("--hf: times whole training steps; give --train too")
+        from .bench_hf import resolve_hf  # (lazy: bench_hf imports bench; transformers only where --hf asks)
+
+        try:
+            hf_families = resolve_hf(args.hf)
+        except ValueError as exc:
+            ap.error(str(exc))
     if args.grid and (args.train or args.softcap is not None or args.classifier != "same"):
         ap.error("--grid: times the heads alone, with their own softcaps and every mode (the fp32 classifier "
                  "included); not with --train, --softcap or --classifier")
@@ -539,6 +567,8 @@ def main(argv=None) -> int:
         kinds = ["real"] if args.train else parse_data(args.data or (GRID_DATA if args.grid else "lm,random"))
         if args.grid:
             plan = [(data, shape) for data in kinds for shape in resolve_grid(args.shapes)]
+        elif hf_families and args.shapes is None:
+            plan = []  # (only the Hugging Face models)
         else:
             plan = [(data, (*shape, args.softcap)) for data in kinds for shape in resolve_shapes(args.shapes, data)]
         if args.train:
@@ -592,6 +622,12 @@ def main(argv=None) -> int:
                 name = f"{name}+softcap{softcap:g}"
             rows += run_shape(name, B, V, D, data, dtype, methods, args.reps, meta, log=log, data_options=options,
                               classifier_dtype=classifier_dtype, softcap=softcap)
+    if hf_families:
+        from .bench_hf import HF_METHODS, run_hf_train  # (lazy: as above)
+
+        for family in hf_families:
+            rows += run_hf_train(family, meta, methods=[m for m in HF_METHODS if keep is None or m in keep],
+                                 loop_steps=args.loop_steps, log=log)
     out = Path(args.out)
     stem = f"{'train' if args.train else 'grid' if args.grid else 'bench'}_{meta['gpu'].replace(' ', '_')}{('_' + args.tag) if args.tag else ''}"
     write_csv(rows, out / f"{stem}.csv")
