@@ -11,6 +11,7 @@ import inspect
 
 import torch
 
+from . import distributed
 from .data import captured
 from .options import Options, option_docs, option_names, option_parameters
 from .runtime import ops  # noqa: F401 - registers the operators torch.ops.cce_autotune.lce_forward/backward
@@ -144,6 +145,8 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
     ``torch.compile(fullgraph=True)`` and runs on meta tensors (shapes only).
     """
     _unexpected("linear_cross_entropy", options)
+    if distributed.has_dtensor(e, c, bias, targets, token_weights):  # (torch.distributed's DTensors)
+        return distributed.linear_cross_entropy(linear_cross_entropy, e, c, targets, bias, token_weights, options)
     _check_kinds(e, c, targets, bias, token_weights)
     e = _autocast(e)
     softcap = options.get("softcap")

@@ -1,0 +1,220 @@
+"""The loss over tensors that ``torch.distributed`` places: DTensor arguments of ``linear_cross_entropy``.
+
+- The classifier (and its bias) ``Replicate()``: the local tensors make the ordinary call (``to_local``
+  keeps the gradient's placement).
+- The classifier ``Shard(0)`` on a 1-D mesh: the **vocabulary-parallel** loss, for tensor parallelism
+  (every rank of the mesh holds the same rows of e and the same targets: the layout of torchtitan's
+  ``loss_parallel``, a column-wise sharded ``lm_head``). Each rank runs the ordinary call on its
+  vocabulary shard (reduction "none", its LSE returned); the per-row LSE and target logit of every
+  rank (and, with label smoothing, the row's sum of logits) meet in one ``all_gather`` of 2 (3) floats
+  per row; each rank's backward then runs on its shard with the global LSE (the ordinary backward
+  operator, which takes the LSE it is given); dE is summed over the mesh with one ``all_reduce``, dC
+  and dbias stay on their shard (a DTensor with the classifier's placement). Shards follow
+  ``torch.chunk``'s layout, as ``distribute_tensor`` makes them. The backward of a shard plans
+  without a tile map: every tile is computed (no filtering).
+- e a DTensor: ``Replicate()`` is taken as is; rows sharded on a 1-D mesh (``Shard(0)``, sequence or
+  batch parallel) are gathered first (``redistribute``; DTensor reduce-scatters their gradient).
+  targets and token weights may be DTensors placed the same way.
+- Anything else: a ``ValueError`` naming the argument and its placement.
+
+The returned loss is a plain tensor, the same on every rank of the mesh.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+
+from .options import Options
+from .runtime.call import pred_shape
+
+__all__ = ["has_dtensor", "linear_cross_entropy"]
+
+
+def _dtensor_type():
+    mod = sys.modules.get("torch.distributed.tensor")  # (a DTensor exists only where this is imported)
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def has_dtensor(*tensors) -> bool:
+    """Whether any of ``tensors`` is a DTensor (plain tensors answer at their type, before any lookup)."""
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            cls = _dtensor_type()
+            if cls is not None and isinstance(t, cls):
+                return True
+    return False
+
+
+def _describe(t) -> str:
+    return f"{tuple(t.placements)} on a {t.device_mesh.ndim}-D mesh"
+
+
+def _full(name: str, t, differentiable: bool):
+    """A DTensor argument as a local tensor holding all of it: replicated, or rows sharded on a 1-D
+    mesh (gathered); a plain tensor as is."""
+    if not has_dtensor(t):
+        return t
+    from torch.distributed.tensor import Replicate, Shard  # (lazy: only where DTensors are used)
+
+    if all(isinstance(p, Replicate) for p in t.placements):
+        return t.to_local()
+    if t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) and t.placements[0].dim == 0:
+        full = t.redistribute(t.device_mesh, [Replicate()])
+        return full.to_local() if differentiable else full.to_local().detach()
+    raise ValueError(f"{name}: a DTensor placed {_describe(t)}; linear_cross_entropy takes it replicated or with its "
+                     "rows sharded (Shard(0)) on a 1-D mesh")
+
+
+def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dict):
+    """``linear_cross_entropy`` with DTensor arguments (see the module docstring); ``plain`` is the
+    ordinary function, called on local tensors."""
+    from torch.distributed.tensor import Replicate, Shard  # (lazy: only where DTensors are used)
+
+    e = _full("e", e, differentiable=True)
+    targets = _full("targets", targets, differentiable=False)
+    token_weights = _full("token_weights", token_weights, differentiable=False)
+    if not has_dtensor(c):
+        if has_dtensor(bias):
+            raise ValueError(f"bias: a DTensor ({_describe(bias)}) with a classifier that is not one")
+        return plain(e, c, targets, bias, token_weights=token_weights, **options)
+    if bias is not None and not (has_dtensor(bias) and bias.device_mesh == c.device_mesh
+                                 and tuple(bias.placements) == tuple(c.placements)):
+        raise ValueError(f"bias: must be a DTensor placed as the classifier ({_describe(c)}), got "
+                         + (_describe(bias) if has_dtensor(bias) else "a plain tensor"))
+    if all(isinstance(p, Replicate) for p in c.placements):
+        return plain(e, c.to_local(), targets, bias.to_local() if bias is not None else None,
+                     token_weights=token_weights, **options)
+    if not (c.device_mesh.ndim == 1 and isinstance(c.placements[0], Shard) and c.placements[0].dim == 0):
+        raise ValueError(f"c: a DTensor placed {_describe(c)}; linear_cross_entropy takes a classifier sharded over "
+                         "the vocabulary (Shard(0)) on a 1-D mesh, or replicated")
+    return _vocab_parallel(plain, e, c, targets, bias, token_weights, options)
+
+
+def _vocab_parallel(plain, e, c, targets, bias, token_weights, options: dict):
+    from .api import _autocast, _check_tensors  # (lazy: the api module imports this one)
+
+    mesh = c.device_mesh
+    W, r = mesh.size(), mesh.get_local_rank()
+    V = c.shape[0]
+    c_l = c.to_local()
+    b_l = bias.to_local() if bias is not None else None
+    chunk = -(-V // W)
+    lo = min(r * chunk, V)
+    if c_l.shape[0] != min(V, lo + chunk) - lo:
+        raise ValueError(f"c: rank {r} holds {c_l.shape[0]} of the {V} rows; a Shard(0) classifier must be laid out "
+                         f"as torch.chunk lays it out ({chunk} rows a rank), as distribute_tensor does")
+    if c_l.shape[0] == 0:
+        raise ValueError(f"c: rank {r} of {W} holds no rows of the {V}-row classifier; shard it over fewer ranks")
+    o = Options.check(deterministic_default=torch.are_deterministic_algorithms_enabled(), **options)
+    if o.label_smoothing and o.softcap is not None:
+        raise ValueError("label_smoothing: with a softcap, the smoothing term needs every capped logit; a "
+                         "vocabulary-sharded classifier supports one or the other")
+    e = _autocast(e)
+    _check_tensors(e, c_l, targets, b_l, token_weights, o.shift, o.impl)
+    loss, lse = _VocabParallel.apply(e, c_l, b_l, targets, token_weights, o, mesh.get_group(), lo, V)
+    if o.return_lse:
+        return loss, lse.view(pred_shape(e.shape[:-1], o.shift))
+    return loss
+
+
+def _local_options(o: Options) -> str:
+    """The shard's call: per-row losses and the LSE, no smoothing or z-loss (added on the global LSE)."""
+    return replace(o, reduction="none", return_lse=True, label_smoothing=0.0, z_loss=0.0).encode()
+
+
+class _VocabParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, e, c_l, b_l, targets, token_weights, o: Options, group, lo: int, V: int):
+        import torch.distributed as dist  # (lazy: only where DTensors are used)
+
+        D = e.shape[-1]
+        T = e.shape[-2]
+        shape = pred_shape(e.shape[:-1], o.shift)
+        pred = targets.narrow(-1, o.shift, T - o.shift).reshape(-1)
+        valid = pred.long() != o.ignore_index
+        bad = valid & ((pred < 0) | (pred >= V))
+        if bool(bad.any()):
+            raise ValueError(f"targets: value {int(pred[bad][0])} is outside [0, {V}) and is not "
+                             f"ignore_index={o.ignore_index}")
+        local = pred.long() - lo
+        in_shard = valid & (local >= 0) & (local < c_l.shape[0])
+        t_op = targets.clone()
+        t_op.narrow(-1, o.shift, T - o.shift).copy_(
+            torch.where(valid, torch.where(in_shard, local, 0), o.ignore_index).view(shape))
+        with torch.no_grad():
+            loss_l, lse_l, _ = torch.ops.cce_autotune.lce_forward(e, c_l, b_l, t_op, None, _local_options(o), False)
+        loss_l = loss_l.reshape(-1)
+        parts = [lse_l, torch.where(in_shard, lse_l - loss_l, 0.0)]
+        rows = e.narrow(-2, 0, T - o.shift).reshape(-1, D)
+        csum = None
+        if o.label_smoothing:  # Σ_v z_v of each row over the shard: e_i · Σ_v c_v + Σ_v b_v
+            csum = c_l.sum(0, dtype=torch.float32)
+            zsum = rows.float() @ csum
+            if b_l is not None:
+                zsum = zsum + b_l.sum(dtype=torch.float32)
+            parts.append(zsum)
+        local_parts = torch.stack(parts).reshape(-1)
+        W = dist.get_world_size(group)
+        everyone = local_parts.new_empty(W * local_parts.numel())
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (its name since 2.13)
+        gather(everyone, local_parts, group=group)
+        everyone = everyone.view(W, len(parts), -1)
+        lse = torch.logsumexp(everyone[:, 0], dim=0)
+        zt = everyone[:, 1].sum(0)
+        ls = o.label_smoothing
+        row = lse - (1.0 - ls) * zt if ls else lse - zt
+        if ls:
+            row = row - (ls / V) * everyone[:, 2].sum(0)
+        if o.z_loss:
+            row = row + o.z_loss * lse * lse
+        weights = valid.float()
+        if token_weights is not None:
+            weights = torch.where(valid, token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1).float(), 0.0)
+        row = torch.where(valid, row, 0.0) * weights
+        denominator = weights.sum()
+        if o.reduction == "none":
+            loss = row.view(shape)
+        elif o.reduction == "sum":
+            loss = row.sum()
+        else:
+            loss = row.sum() / denominator
+        lse_out = torch.where(valid, lse, 0.0)
+        ctx.save_for_backward(e, c_l, b_l, t_op, lse_out, valid, in_shard, weights, denominator, csum)
+        ctx.o, ctx.group, ctx.V, ctx.has_bias = o, group, V, b_l is not None
+        return loss, lse_out
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        import torch.distributed as dist  # (lazy: only where DTensors are used)
+
+        e, c_l, b_l, t_op, lse, valid, in_shard, weights, denominator, csum = ctx.saved_tensors
+        o = ctx.o
+        if grad_loss is None:
+            g = torch.zeros_like(lse)
+        elif o.reduction == "none":
+            g = torch.where(valid, grad_loss.reshape(-1).float() * weights, 0.0)
+        elif o.reduction == "sum":
+            g = torch.where(valid, grad_loss.float() * weights, 0.0)
+        else:
+            g = torch.where(valid, grad_loss.float() * weights / denominator.clamp(min=torch.finfo(torch.float32).tiny),
+                            0.0)
+        coef_t = torch.where(in_shard, g * (1.0 - o.label_smoothing), 0.0)
+        coef_s = g * (1.0 + 2.0 * o.z_loss * lse) if o.z_loss else g
+        if grad_lse is not None:
+            coef_s = coef_s + torch.where(valid, grad_lse.reshape(-1).float(), 0.0)
+        handle = torch.zeros((), dtype=torch.int64)  # (no state: the shard's backward plans without a map)
+        de, dc, db = torch.ops.cce_autotune.lce_backward(coef_t, coef_s - coef_t, e, c_l, b_l, t_op, None, lse,
+                                                         handle, _local_options(o))
+        if o.label_smoothing:  # -ls/V of every logit's gradient: rank-one terms (dE's sums over the shards)
+            T, D = e.shape[-2], e.shape[-1]
+            u = g * (o.label_smoothing / ctx.V)
+            rows = e.narrow(-2, 0, T - o.shift)
+            de.narrow(-2, 0, T - o.shift).sub_((u.view(rows.shape[:-1])[..., None] * csum).to(de.dtype))
+            dc = (dc.float() - (u @ rows.reshape(-1, D).float())[None, :]).to(dc.dtype)
+            if ctx.has_bias:
+                db = (db.float() - u.sum()).to(db.dtype)
+        dist.all_reduce(de, group=ctx.group)
+        return de, dc, db if ctx.has_bias else None, None, None, None, None, None, None

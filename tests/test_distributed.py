@@ -1,0 +1,167 @@
+"""DTensor arguments over torch.distributed (gloo, processes spawned by the test, on the CPU): a
+classifier sharded over the vocabulary (Shard(0): the vocabulary-parallel loss) or replicated, hidden
+states with their rows sharded, against one process on the whole classifier (fp32, 1e-5)."""
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+B, T, D, V = 2, 9, 16, 37  # (V = 37: uneven shards over 2 and 4 ranks)
+
+CASES = [
+    dict(),
+    dict(reduction="sum"),
+    dict(reduction="none", ignore=True),
+    dict(shift=1, ignore=True),
+    dict(softcap=20.0, bias=True),
+    dict(label_smoothing=0.1, bias=True),
+    dict(z_loss=1e-3, return_lse=True),
+    dict(token_weights=True, ignore=True),
+    dict(e_sharded=True),
+    dict(placement="replicate", bias=True),
+]
+KERNEL_CASES = [dict(impl="triton"), dict(impl="triton", filter_eps=None, softcap=20.0, bias=True)]
+
+
+def _inputs(case):
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(B, T, D, generator=g) / D**0.25
+    c = torch.randn(V, D, generator=g) / D**0.25
+    bias = torch.randn(V, generator=g) * 0.1 if case.get("bias") else None
+    t = torch.randint(0, V, (B, T), generator=g)
+    if case.get("ignore"):
+        t[0, :3] = -100
+    w = torch.rand(B, T, generator=g) + 0.5 if case.get("token_weights") else None
+    return e, c, bias, t, w
+
+
+def _options(case):
+    keys = ("reduction", "shift", "softcap", "label_smoothing", "z_loss", "return_lse", "impl", "filter_eps")
+    out = {k: case[k] for k in keys if k in case}
+    out.setdefault("impl", "torch")
+    return out
+
+
+def _run(e, c, bias, t, w, options):
+    """(loss, lse or None) after a backward of loss (+ 0.1 * lse.sum() when returned)."""
+    from cce_autotune import linear_cross_entropy
+
+    out = linear_cross_entropy(e, c, t, bias, token_weights=w, **options)
+    loss, lse = out if options.get("return_lse") else (out, None)
+    total = loss.sum() + (0.1 * lse.sum() if lse is not None else 0.0)
+    total.backward()
+    return loss.detach(), lse.detach() if lse is not None else None
+
+
+def _check(mesh, case):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    e, c, bias, t, w = _inputs(case)
+    options = _options(case)
+    ref_e, ref_c = e.clone().requires_grad_(), c.clone().requires_grad_()
+    ref_b = bias.clone().requires_grad_() if bias is not None else None
+    reference = dict(impl="torch", **{k: v for k, v in options.items() if k not in ("impl", "filter_eps")})
+    want_loss, want_lse = _run(ref_e, ref_c, ref_b, t, w, reference)
+
+    placement = [Replicate()] if case.get("placement") == "replicate" else [Shard(0)]
+    c_d = distribute_tensor(c.clone(), mesh, placement).requires_grad_()
+    b_d = distribute_tensor(bias.clone(), mesh, placement).requires_grad_() if bias is not None else None
+    e_d = distribute_tensor(e.clone(), mesh, [Shard(0)]).requires_grad_() if case.get("e_sharded") else \
+        e.clone().requires_grad_()
+    loss, lse = _run(e_d, c_d, b_d, t, w, options)
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, want_loss, **close)
+    if want_lse is not None:
+        torch.testing.assert_close(lse, want_lse, **close)
+    grad_e = e_d.grad.full_tensor() if case.get("e_sharded") else e_d.grad
+    torch.testing.assert_close(grad_e, ref_e.grad, **close)
+    torch.testing.assert_close(c_d.grad.full_tensor(), ref_c.grad, **close)
+    assert tuple(c_d.grad.placements) == tuple(placement)
+    if bias is not None:
+        torch.testing.assert_close(b_d.grad.full_tensor(), ref_b.grad, **close)
+
+
+def _check_errors(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from cce_autotune import linear_cross_entropy
+
+    e, c, _, t, _ = _inputs({})
+    for placement, name in (([Shard(1)], "c"),):
+        c_d = distribute_tensor(c.clone(), mesh, placement)
+        try:
+            linear_cross_entropy(e, c_d, t, impl="torch")
+        except ValueError as exc:
+            assert str(exc).startswith(f"{name}: a DTensor placed") and "Shard(dim=1)" in str(exc), str(exc)
+        else:
+            raise AssertionError("a classifier sharded over D was accepted")
+    c_d = distribute_tensor(c.clone(), mesh, [Shard(0)])
+    try:
+        linear_cross_entropy(e, c_d, t, torch.zeros(V), impl="torch")
+    except ValueError as exc:
+        assert str(exc).startswith("bias: must be a DTensor placed as the classifier"), str(exc)
+    else:
+        raise AssertionError("a plain bias with a sharded classifier was accepted")
+    bad = t.clone()
+    bad[1, 2] = V + 3
+    try:
+        linear_cross_entropy(e, c_d, bad, impl="torch")
+    except ValueError as exc:
+        assert f"targets: value {V + 3} is outside [0, {V})" in str(exc), str(exc)
+    else:
+        raise AssertionError("an out-of-range target was accepted")
+
+
+def _worker(rank, world, init_file, out_dir, cases, interpret):
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    failures = []
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for case in cases:
+            try:
+                _check(mesh, case)
+            except Exception:  # noqa: BLE001 - reported to the test, which fails naming the case
+                failures.append(f"{case}: {traceback.format_exc()}")
+        if not interpret:
+            try:
+                _check_errors(mesh)
+            except Exception:  # noqa: BLE001
+                failures.append(f"errors: {traceback.format_exc()}")
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("\n".join(failures))
+        dist.destroy_process_group()
+
+
+def _spawn(world, cases, interpret=False):
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), tmp, cases, interpret), nprocs=world,
+                           start_method="spawn")
+        failures = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(world)]
+    assert not any(failures), "\n".join(f"rank {r}: {x}" for r, x in enumerate(failures) if x)
+
+
+def test_two_ranks_match_one_process_for_every_loss_term():
+    _spawn(2, CASES)
+
+
+def test_four_ranks_with_uneven_shards():
+    _spawn(4, [dict(), dict(label_smoothing=0.1, bias=True, shift=1), dict(e_sharded=True, reduction="sum")])
+
+
+def test_the_kernels_run_each_shard_through_the_interpreter():
+    _spawn(2, KERNEL_CASES, interpret=True)
