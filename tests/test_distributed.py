@@ -165,3 +165,113 @@ def test_four_ranks_with_uneven_shards():
 
 def test_the_kernels_run_each_shard_through_the_interpreter():
     _spawn(2, KERNEL_CASES, interpret=True)
+
+
+# -- FSDP2 and the Hugging Face patch ------------------------------------------------------------
+
+
+def _fsdp_model(patched: bool, head_alone: bool):
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    from cce_autotune.integrations.transformers import patch
+
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float()
+    if patched:
+        patch(model, impl="torch")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if head_alone:
+        fully_shard(model.lm_head)
+    fully_shard(model)
+    return model
+
+
+def _check_fsdp_training(rank, head_alone):
+    # Each rank its own batch (data parallel); the same steps, patched and not, end at the same weights.
+    results = []
+    for patched in (False, True):
+        model = _fsdp_model(patched, head_alone)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(100 + rank)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, V, (2, 12), generator=g)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        params = {k: p.full_tensor().detach() for k, p in model.named_parameters()}
+        results.append((torch.stack(losses), params))
+    (ref_losses, ref_params), (losses, params) = results
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, p in ref_params.items():
+        torch.testing.assert_close(params[k], p, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _check_tensor_parallel_head(world):
+    # A TP plan that shards lm_head column-wise (its weight Shard(0)): the patched model's loss and
+    # gradients are one process's on the whole model (every rank holds the same batch).
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from cce_autotune.integrations.transformers import patch
+
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).float().train()
+    model = transformers.LlamaForCausalLM(config).float().train()
+    model.load_state_dict(ref.state_dict())
+    parallelize_module(model, init_device_mesh("cpu", (world,)), {"lm_head": ColwiseParallel(use_local_output=False)})
+    patch(model, impl="torch")
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(7))
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    assert tuple(model.lm_head.weight.grad.placements)[0].is_shard(0)
+    grads = {k: p.grad for k, p in ref.named_parameters()}
+    for k, p in model.named_parameters():
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(got, grads[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _fsdp_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    failures = []
+    try:
+        for head_alone in (False, True):
+            try:
+                _check_fsdp_training(rank, head_alone)
+            except Exception:  # noqa: BLE001
+                failures.append(f"head sharded on its own={head_alone}: {traceback.format_exc()}")
+        try:
+            _check_tensor_parallel_head(world)
+        except Exception:  # noqa: BLE001
+            failures.append(f"tensor-parallel lm_head: {traceback.format_exc()}")
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("\n".join(failures))
+        dist.destroy_process_group()
+
+
+def test_fsdp2_and_tensor_parallel_patched_models_match_the_unpatched_one():
+    pytest.importorskip("transformers")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_fsdp_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, start_method="spawn")
+        failures = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(2)]
+    assert not any(failures), "\n".join(f"rank {r}: {x}" for r, x in enumerate(failures) if x)

@@ -22,6 +22,13 @@ The patched loss follows ``transformers``' ``ForCausalLMLoss`` exactly: position
 ``num_items_in_batch`` when that keyword is given (as ``Trainer`` does under gradient accumulation),
 and ``config.final_logit_softcapping`` (Gemma 2/3) is applied to the logits.
 
+Under ``torch.distributed``: with FSDP2 (``fully_shard`` on the decoder layers and the root) the head's
+weight is gathered for the root's forward, as for the original; a head sharded on its own
+(``fully_shard(model.lm_head)``) is called, with the loss as its forward, so that FSDP gathers its
+weight and reduces its gradient as for the original's call. A tensor-parallel plan that shards
+``lm_head`` column-wise leaves its weight a ``Shard(0)`` DTensor, which ``linear_cross_entropy`` takes as
+the vocabulary-parallel loss (:mod:`cce_autotune.distributed`).
+
 ``transformers`` is imported only when a model is patched; ``import cce_autotune`` never needs it.
 
 Example::
@@ -39,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import types
 import warnings
 from typing import Any, Callable
@@ -182,17 +190,21 @@ def _cce_forward(self, patched: _Patch, args: tuple, kwargs: dict):
     # position instead, which contributes nothing either way.
     targets, shift = (labels, 1) if shift_labels is None else (shift_labels, 0)
     softcap = getattr(self.config, "final_logit_softcapping", None)
-    loss = linear_cross_entropy(
-        hidden,
-        head.weight,
-        targets.to(hidden.device),
-        getattr(head, "bias", None),
-        shift=shift,
-        ignore_index=kwargs.get("ignore_index", _IGNORE_INDEX),
-        softcap=None if softcap is None else float(softcap),
-        reduction="mean" if num_items_in_batch is None else "sum",
-        **patched.options,
-    )
+
+    def head_loss(h, weight, bias):
+        return linear_cross_entropy(
+            h,
+            weight,
+            targets.to(h.device),
+            bias,
+            shift=shift,
+            ignore_index=kwargs.get("ignore_index", _IGNORE_INDEX),
+            softcap=None if softcap is None else float(softcap),
+            reduction="mean" if num_items_in_batch is None else "sum",
+            **patched.options,
+        )
+
+    loss = _through_head(head, hidden, head_loss)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -204,6 +216,29 @@ def _cce_forward(self, patched: _Patch, args: tuple, kwargs: dict):
         # place (None), so out[1] is where callers of the unpatched model find the logits.
         return (loss, None, *(value for value in carried.values() if value is not None))
     return patched.output_cls(loss=loss, logits=None, **carried)
+
+
+def _through_head(head, hidden, head_loss):
+    """``head_loss(hidden, weight, bias)`` with the head's parameters as its own forward sees them.
+    A head that FSDP2 shards on its own (``fully_shard(model.lm_head)``) holds a sharded weight
+    outside its forward, and FSDP gathers it, and reduces its gradient, only around a call of the
+    module: such a head is called, with the loss as its forward. Any other head's weight is read (a
+    plain tensor, or a DTensor that ``linear_cross_entropy`` takes as it is placed: a tensor-parallel
+    ``lm_head``)."""
+    if not _fsdp_managed(head):
+        return head_loss(hidden, head.weight, getattr(head, "bias", None))
+    head.forward = lambda h: head_loss(h, head.weight, getattr(head, "bias", None))
+    try:
+        return head(hidden)
+    finally:
+        del head.forward
+
+
+def _fsdp_managed(module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` itself (only where FSDP2 was imported)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return cls is not None and isinstance(module, cls)
 
 
 def _plain_linear(head) -> bool:
