@@ -5,6 +5,7 @@ processes sharing one study through SQLite."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import socket
 import subprocess
@@ -417,3 +418,51 @@ def test_a_workers_failing_studies_database_is_sent_to_the_parent(isolated, monk
     assert name == workers._FAILED and kind == "storage"
     assert line == "worker 1: Exception: database or disk is full"
     assert tune.storage_failure(tune.StorageFailed(line), _url(isolated)) == line
+
+
+# A killed run's orphaned worker that nothing reaps (many containers' PID 1 reaps nothing) still answers
+# signal 0 as a zombie: its claimed trials must be freed all the same.
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_an_exited_unreaped_worker_counts_as_dead():
+    from cce_autotune.tuner import study
+
+    host = socket.gethostname()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while not study._zombie(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert study._worker_dead(f"{host}:{child.pid}:w0")  # exited, not reaped yet
+    finally:
+        child.wait()
+    assert study._worker_dead(f"{host}:{child.pid}:w0")  # reaped: gone
+    assert not study._worker_dead(f"{host}:{os.getpid()}:w0")  # this live process
+    assert not study._worker_dead(f"another-host:{child.pid}:w0")  # (judged by the trial's age instead)
+
+
+# Two workers may both find a dead worker's trial and close it: on a server database the second's write
+# fails (Optuna's UpdateFinishedTrialError) although it skipped finished trials when it read them.
+def test_a_dead_workers_trial_closed_by_another_worker_first_is_no_error(isolated, monkeypatch):
+    url = f"sqlite:///{isolated['tmp'] / 'studies.db'}"
+    spec = tune.StudySpec("h200", "indexed_dot", PROBLEM, n_trials=3)
+    study = tune.open_study(spec, url)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    trial = study.ask(tune._distributions(tune.load_space(spec.kernel)))
+    trial.set_user_attr("measured", True)
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}:w0")
+    real_tell, raced = optuna.Study.tell, []
+
+    def tell(self, trial, *args, **kwargs):
+        if isinstance(trial, int) and kwargs.get("state") == TrialState.FAIL and not raced:
+            raced.append(trial)
+            real_tell(self, trial, *args, **kwargs)  # the other worker's write lands first
+            raise optuna.exceptions.UpdateFinishedTrialError(f"Trial#{trial} has already finished")
+        return real_tell(self, trial, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "tell", tell)
+    tune.run_study(spec, tune.make_backend("fake"), url)
+    assert raced == [trial.number]
+    done = [t for t in study.get_trials() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+            and t.user_attrs.get("measured")]
+    assert len(done) == 3

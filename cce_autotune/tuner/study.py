@@ -394,7 +394,18 @@ def _worker_dead(worker) -> bool:
         return True
     except PermissionError:  # another user's live process
         return False
-    return False
+    return _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether process ``pid`` has exited but not been reaped (a killed run's orphaned worker, where
+    nothing reaps orphans, as in many containers): it still answers a signal 0. Linux's /proc only."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"Z", b"X")
 
 
 def _measured(t) -> bool:
@@ -549,7 +560,10 @@ def run_study(spec: StudySpec, backend: Backend, storage=None, *, seed: int = 0,
             if t.state == TrialState.RUNNING and t.user_attrs.get("worker") != me and (
                     _worker_dead(t.user_attrs.get("worker"))
                     or (t.datetime_start and (now - t.datetime_start).total_seconds() > stale_after)):
-                study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+                try:
+                    study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    pass  # another worker closed it between our read and our write (a server database's race)
         claimed = sum(1 for t in trials if _measured(t) and t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
         if claimed >= spec.n_trials:
             stats.stopped = "trial budget reached"
