@@ -17,7 +17,11 @@
   targets and token weights may be DTensors placed the same way.
 - Anything else: a ``ValueError`` naming the argument and its placement.
 
-The returned loss is a plain tensor, the same on every rank of the mesh.
+The returned loss is a plain tensor, the same on every rank of the mesh. The ranks check, in the same
+gather and one host copy, that they hold the same rows (checksums of the targets and of e) and that no
+target is out of range: an lm_head that FSDP2 shards on its own is data parallel, not this layout, and
+would otherwise give silently wrong gradients (call the head, as the Hugging Face patch does, or pass
+``weight.full_tensor()``).
 """
 
 from __future__ import annotations
@@ -120,6 +124,31 @@ def _vocab_parallel(plain, e, c, targets, bias, token_weights, options: dict):
     return loss
 
 
+def _row_checks(pred, rows, bad) -> torch.Tensor:
+    """(5,) fp32: whether a target is out of range and the first such, two checksums of the targets
+    (exact in fp32: modulo 2^20) and the sum of the rows of e."""
+    t = pred.long()
+    pos = torch.arange(1, t.numel() + 1, device=t.device)
+    first = t[bad.int().argmax()] if t.numel() else t.new_zeros(())
+    return torch.stack([bad.any().float(), first.float(), (t.sum() % 2**20).float(), ((t * pos).sum() % 2**20).float(),
+                        rows.sum(dtype=torch.float32)]).to(torch.float32)
+
+
+def _raise_on_checks(checks: list, V: int, ignore_index: int) -> None:
+    """The ValueError of :func:`_row_checks`' findings, gathered from every rank (the same on each)."""
+    targets = {tuple(c[2:4]) for c in checks}
+    sums = [c[4] for c in checks]
+    if len(targets) > 1 or max(sums) - min(sums) > 1e-3 * max(1.0, max(abs(x) for x in sums)):
+        raise ValueError(
+            "e, targets: the ranks of the classifier's mesh hold different rows; a Shard(0) classifier is taken as "
+            "tensor parallel, every rank with the same rows and targets. An lm_head that FSDP2 shards on its own "
+            "holds that layout only inside its forward: call the head (cce_autotune's Hugging Face patch does), or "
+            "pass weight.full_tensor()")
+    for found, value, *_ in checks:
+        if found:
+            raise ValueError(f"targets: value {int(value)} is outside [0, {V}) and is not ignore_index={ignore_index}")
+
+
 def _local_options(o: Options) -> str:
     """The shard's call: per-row losses and the LSE, no smoothing or z-loss (added on the global LSE)."""
     return replace(o, reduction="none", return_lse=True, label_smoothing=0.0, z_loss=0.0).encode()
@@ -136,9 +165,6 @@ class _VocabParallel(torch.autograd.Function):
         pred = targets.narrow(-1, o.shift, T - o.shift).reshape(-1)
         valid = pred.long() != o.ignore_index
         bad = valid & ((pred < 0) | (pred >= V))
-        if bool(bad.any()):
-            raise ValueError(f"targets: value {int(pred[bad][0])} is outside [0, {V}) and is not "
-                             f"ignore_index={o.ignore_index}")
         local = pred.long() - lo
         in_shard = valid & (local >= 0) & (local < c_l.shape[0])
         t_op = targets.clone()
@@ -148,20 +174,25 @@ class _VocabParallel(torch.autograd.Function):
             loss_l, lse_l, _ = torch.ops.cce_autotune.lce_forward(e, c_l, b_l, t_op, None, _local_options(o), False)
         loss_l = loss_l.reshape(-1)
         parts = [lse_l, torch.where(in_shard, lse_l - loss_l, 0.0)]
-        rows = e.narrow(-2, 0, T - o.shift).reshape(-1, D)
+        rows = e.narrow(-2, 0, T - o.shift)
         csum = None
         if o.label_smoothing:  # Σ_v z_v of each row over the shard: e_i · Σ_v c_v + Σ_v b_v
             csum = c_l.sum(0, dtype=torch.float32)
-            zsum = rows.float() @ csum
+            zsum = rows.reshape(-1, D).float() @ csum
             if b_l is not None:
                 zsum = zsum + b_l.sum(dtype=torch.float32)
             parts.append(zsum)
-        local_parts = torch.stack(parts).reshape(-1)
+        # With the rows' parts go what every rank checks at once, in the same gather: a target out of
+        # range, and whether the ranks hold the same rows (the layout this loss is for).
+        checks = _row_checks(pred, rows, bad)
+        local_parts = torch.cat([torch.stack(parts).reshape(-1), checks])
         W = dist.get_world_size(group)
         everyone = local_parts.new_empty(W * local_parts.numel())
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (its name since 2.13)
         gather(everyone, local_parts, group=group)
-        everyone = everyone.view(W, len(parts), -1)
+        everyone = everyone.view(W, -1)
+        _raise_on_checks(everyone[:, -checks.numel():].tolist(), V, o.ignore_index)  # (one host copy)
+        everyone = everyone[:, :-checks.numel()].reshape(W, len(parts), -1)
         lse = torch.logsumexp(everyone[:, 0], dim=0)
         zt = everyone[:, 1].sum(0)
         ls = o.label_smoothing

@@ -89,6 +89,7 @@ def _check(mesh, case):
 
 
 def _check_errors(mesh):
+    import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from cce_autotune import linear_cross_entropy
@@ -109,6 +110,22 @@ def _check_errors(mesh):
         assert str(exc).startswith("bias: must be a DTensor placed as the classifier"), str(exc)
     else:
         raise AssertionError("a plain bias with a sharded classifier was accepted")
+    mine = t.clone()
+    mine[0, 0] = (int(mine[0, 0]) + 1 + dist.get_rank()) % V  # each rank its own targets: not the TP layout
+    try:
+        linear_cross_entropy(e, c_d, mine, impl="torch")
+    except ValueError as exc:
+        assert str(exc).startswith("e, targets: the ranks of the classifier's mesh hold different rows"), str(exc)
+    else:
+        raise AssertionError("ranks with different rows were taken as tensor parallel")
+    other = e.clone()
+    other[1] += dist.get_rank()  # the same targets, other rows
+    try:
+        linear_cross_entropy(other, c_d, t, impl="torch")
+    except ValueError as exc:
+        assert str(exc).startswith("e, targets: the ranks of the classifier's mesh hold different rows"), str(exc)
+    else:
+        raise AssertionError("ranks with different rows of e were taken as tensor parallel")
     bad = t.clone()
     bad[1, 2] = V + 3
     try:
