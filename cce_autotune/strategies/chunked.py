@@ -50,9 +50,9 @@ def extra_bytes(p: CallProblem, chunk_v: int, de_fp32: bool, use_map: bool, row_
         b += 2 * p.elem * w * p.D  # C[chunk] gathered, dC[chunk] before its scatter
     if not p.e_view:
         b += p.elem * p.n_all * p.D  # E copied into a matrix
-    b += 4 * min(1024, p.n) * p.D  # target terms outside the launched tiles, in pieces
     if not use_map:
         return b
+    b += 4 * min(1024, p.n) * p.D  # target terms outside the launched tiles, in pieces (only with a map)
     # The map stays alive; the transient comparison that turns it into the live grid is freed
     # before these buffers are allocated, so the peak is the larger of the two.
     return p.map_bytes + max(b, p.map_bytes)
