@@ -32,7 +32,8 @@ from dataclasses import replace
 import torch
 
 from .options import Options
-from .runtime.call import pred_shape
+from .runtime.call import Call, prepare
+from .runtime.execute import add_uniform_term, reduce_loss
 
 __all__ = ["has_dtensor", "linear_cross_entropy"]
 
@@ -94,10 +95,10 @@ def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dic
     if not (c.device_mesh.ndim == 1 and isinstance(c.placements[0], Shard) and c.placements[0].dim == 0):
         raise ValueError(f"c: a DTensor placed {_describe(c)}; linear_cross_entropy takes a classifier sharded over "
                          "the vocabulary (Shard(0)) on a 1-D mesh, or replicated")
-    return _vocab_parallel(plain, e, c, targets, bias, token_weights, options)
+    return _vocab_parallel(e, c, targets, bias, token_weights, options)
 
 
-def _vocab_parallel(plain, e, c, targets, bias, token_weights, options: dict):
+def _vocab_parallel(e, c, targets, bias, token_weights, options: dict):
     from .api import _autocast, _check_tensors  # (lazy: the api module imports this one)
 
     mesh = c.device_mesh
@@ -118,16 +119,19 @@ def _vocab_parallel(plain, e, c, targets, bias, token_weights, options: dict):
                          "vocabulary-sharded classifier supports one or the other")
     e = _autocast(e)
     _check_tensors(e, c_l, targets, b_l, token_weights, o.shift, o.impl)
-    loss, lse = _VocabParallel.apply(e, c_l, b_l, targets, token_weights, o, mesh.get_group(), lo, V)
+    # The call as one process sees it (the whole vocabulary's V; the kernels' layout of the rows, which
+    # the label-smoothing term reads them through).
+    call = prepare(e, c, targets, b_l, token_weights, o, "triton")
+    loss, lse = _VocabParallel.apply(e, c_l, b_l, targets, call, mesh.get_group(), lo)
     if o.return_lse:
-        return loss, lse.view(pred_shape(e.shape[:-1], o.shift))
+        return loss, lse.view(call.pred_shape)
     return loss
 
 
-def _row_checks(pred, rows, bad) -> torch.Tensor:
+def _row_checks(call: Call, rows) -> torch.Tensor:
     """(5,) fp32: whether a target is out of range and the first such, two checksums of the targets
     (exact in fp32: modulo 2^20) and the sum of the rows of e."""
-    t = pred.long()
+    t, bad = call.raw_targets.long(), call.out_of_range
     pos = torch.arange(1, t.numel() + 1, device=t.device)
     first = t[bad.int().argmax()] if t.numel() else t.new_zeros(())
     return torch.stack([bad.any().float(), first.float(), (t.sum() % 2**20).float(), ((t * pos).sum() % 2**20).float(),
@@ -155,25 +159,23 @@ def _local_options(o: Options) -> str:
 
 
 class _VocabParallel(torch.autograd.Function):
+    """The loss of ``call`` over the shard ``c_l`` (and ``b_l``) of the classifier, whose vocabulary
+    entries start at ``lo``; ``group``: the mesh's process group. Returns ``(loss, lse_out)``."""
+
     @staticmethod
-    def forward(ctx, e, c_l, b_l, targets, token_weights, o: Options, group, lo: int, V: int):
+    def forward(ctx, e, c_l, b_l, targets, call: Call, group, lo: int):
         import torch.distributed as dist  # (lazy: only where DTensors are used)
 
-        D = e.shape[-1]
-        T = e.shape[-2]
-        shape = pred_shape(e.shape[:-1], o.shift)
-        pred = targets.narrow(-1, o.shift, T - o.shift).reshape(-1)
-        valid = pred.long() != o.ignore_index
-        bad = valid & ((pred < 0) | (pred >= V))
-        local = pred.long() - lo
-        in_shard = valid & (local >= 0) & (local < c_l.shape[0])
-        t_op = targets.clone()
+        o = call.options
+        T, D = e.shape[-2], e.shape[-1]
+        local = call.targets - lo
+        in_shard = call.valid & ~call.out_of_range & (local >= 0) & (local < c_l.shape[0])
+        t_op = targets.clone()  # (targets off the shard: its entry 0, no onehot term there)
         t_op.narrow(-1, o.shift, T - o.shift).copy_(
-            torch.where(valid, torch.where(in_shard, local, 0), o.ignore_index).view(shape))
+            torch.where(call.valid, torch.where(in_shard, local, 0), o.ignore_index).view(call.pred_shape))
         with torch.no_grad():
             loss_l, lse_l, _ = torch.ops.cce_autotune.lce_forward(e, c_l, b_l, t_op, None, _local_options(o), False)
-        loss_l = loss_l.reshape(-1)
-        parts = [lse_l, torch.where(in_shard, lse_l - loss_l, 0.0)]
+        parts = [lse_l, torch.where(in_shard, lse_l - loss_l.reshape(-1), 0.0)]
         rows = e.narrow(-2, 0, T - o.shift)
         csum = None
         if o.label_smoothing:  # Σ_v z_v of each row over the shard: e_i · Σ_v c_v + Σ_v b_v
@@ -184,68 +186,33 @@ class _VocabParallel(torch.autograd.Function):
             parts.append(zsum)
         # With the rows' parts go what every rank checks at once, in the same gather: a target out of
         # range, and whether the ranks hold the same rows (the layout this loss is for).
-        checks = _row_checks(pred, rows, bad)
+        checks = _row_checks(call, rows)
         local_parts = torch.cat([torch.stack(parts).reshape(-1), checks])
         W = dist.get_world_size(group)
         everyone = local_parts.new_empty(W * local_parts.numel())
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (its name since 2.13)
         gather(everyone, local_parts, group=group)
         everyone = everyone.view(W, -1)
-        _raise_on_checks(everyone[:, -checks.numel():].tolist(), V, o.ignore_index)  # (one host copy)
+        _raise_on_checks(everyone[:, -checks.numel():].tolist(), call.V, o.ignore_index)  # (one host copy)
         everyone = everyone[:, :-checks.numel()].reshape(W, len(parts), -1)
-        lse = torch.logsumexp(everyone[:, 0], dim=0)
-        zt = everyone[:, 1].sum(0)
-        ls = o.label_smoothing
-        row = lse - (1.0 - ls) * zt if ls else lse - zt
-        if ls:
-            row = row - (ls / V) * everyone[:, 2].sum(0)
-        if o.z_loss:
-            row = row + o.z_loss * lse * lse
-        weights = valid.float()
-        if token_weights is not None:
-            weights = torch.where(valid, token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1).float(), 0.0)
-        row = torch.where(valid, row, 0.0) * weights
-        denominator = weights.sum()
-        if o.reduction == "none":
-            loss = row.view(shape)
-        elif o.reduction == "sum":
-            loss = row.sum()
-        else:
-            loss = row.sum() / denominator
-        lse_out = torch.where(valid, lse, 0.0)
-        ctx.save_for_backward(e, c_l, b_l, t_op, lse_out, valid, in_shard, weights, denominator, csum)
-        ctx.o, ctx.group, ctx.V, ctx.has_bias = o, group, V, b_l is not None
+        zsum = everyone[:, 2].sum(0) if o.label_smoothing else None
+        loss, lse_out = reduce_loss(call, torch.logsumexp(everyone[:, 0], dim=0), everyone[:, 1].sum(0), zsum)
+        ctx.save_for_backward(e, c_l, b_l, t_op, lse_out, in_shard, csum)
+        ctx.call, ctx.group, ctx.has_bias = call, group, b_l is not None
         return loss, lse_out
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
         import torch.distributed as dist  # (lazy: only where DTensors are used)
 
-        e, c_l, b_l, t_op, lse, valid, in_shard, weights, denominator, csum = ctx.saved_tensors
-        o = ctx.o
-        if grad_loss is None:
-            g = torch.zeros_like(lse)
-        elif o.reduction == "none":
-            g = torch.where(valid, grad_loss.reshape(-1).float() * weights, 0.0)
-        elif o.reduction == "sum":
-            g = torch.where(valid, grad_loss.float() * weights, 0.0)
-        else:
-            g = torch.where(valid, grad_loss.float() * weights / denominator.clamp(min=torch.finfo(torch.float32).tiny),
-                            0.0)
-        coef_t = torch.where(in_shard, g * (1.0 - o.label_smoothing), 0.0)
-        coef_s = g * (1.0 + 2.0 * o.z_loss * lse) if o.z_loss else g
-        if grad_lse is not None:
-            coef_s = coef_s + torch.where(valid, grad_lse.reshape(-1).float(), 0.0)
+        e, c_l, b_l, t_op, lse, in_shard, csum = ctx.saved_tensors
+        call = ctx.call
+        coef_s, coef_t, coef_u = call.coefficients(grad_loss, grad_lse, lse)
+        coef_t = torch.where(in_shard, coef_t, 0.0)  # (a target's onehot term on the shard that holds it)
         handle = torch.zeros((), dtype=torch.int64)  # (no state: the shard's backward plans without a map)
         de, dc, db = torch.ops.cce_autotune.lce_backward(coef_t, coef_s - coef_t, e, c_l, b_l, t_op, None, lse,
-                                                         handle, _local_options(o))
-        if o.label_smoothing:  # -ls/V of every logit's gradient: rank-one terms (dE's sums over the shards)
-            T, D = e.shape[-2], e.shape[-1]
-            u = g * (o.label_smoothing / ctx.V)
-            rows = e.narrow(-2, 0, T - o.shift)
-            de.narrow(-2, 0, T - o.shift).sub_((u.view(rows.shape[:-1])[..., None] * csum).to(de.dtype))
-            dc = (dc.float() - (u @ rows.reshape(-1, D).float())[None, :]).to(dc.dtype)
-            if ctx.has_bias:
-                db = (db.float() - u.sum()).to(db.dtype)
+                                                         handle, _local_options(call.options))
+        if coef_u is not None:  # the smoothing term, with the shard's column sum (dE's sums over the shards)
+            de, dc, db = add_uniform_term(e, call, coef_u, csum, de, dc, db)
         dist.all_reduce(de, group=ctx.group)
-        return de, dc, db if ctx.has_bias else None, None, None, None, None, None, None
+        return de, dc, db if ctx.has_bias else None, None, None, None, None

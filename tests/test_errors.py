@@ -104,7 +104,7 @@ def test_an_out_of_range_targets_row_has_a_nan_loss_and_no_gradient():
     assert call.out_of_range.sum() == 1 and call.weights[call.out_of_range].item() == 0.0
     assert call.targets.max() < V
     lse = torch.zeros(call.n_rows)
-    loss, _ = execute._reduce(call, lse, torch.zeros(call.n_rows), None)
+    loss, _ = execute.reduce_loss(call, lse, torch.zeros(call.n_rows), None)
     assert torch.isnan(loss)
 
 

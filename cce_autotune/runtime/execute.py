@@ -17,7 +17,8 @@ from ..tile_map import sort_order
 from . import reference
 from .call import Call
 
-__all__ = ["CallState", "forward", "forward_reference", "backward", "backward_reference"]
+__all__ = ["CallState", "forward", "forward_reference", "backward", "backward_reference", "reduce_loss",
+           "add_uniform_term"]
 
 
 class CallState:
@@ -72,7 +73,7 @@ def forward(plan: CallPlan, call: Call, e, c, bias) -> tuple:
         zsum = torch.mv(call.layout.take(e).float(), state.csum) if call.n_rows else lse.new_zeros(0)
         if bias is not None:
             zsum = zsum + bias.sum(dtype=torch.float32)
-    loss, lse_out = _reduce(call, lse, zt, zsum)
+    loss, lse_out = reduce_loss(call, lse, zt, zsum)
     return loss, lse_out, state
 
 
@@ -81,11 +82,14 @@ def forward_reference(call: Call, e, c, bias) -> tuple:
     call.check_targets()
     lse, zt, zsum = reference.forward(e, c, bias, call.rows, call.targets, call.softcap,
                                       row_sums=bool(call.options.label_smoothing))
-    loss, lse_out = _reduce(call, lse, zt, zsum)
+    loss, lse_out = reduce_loss(call, lse, zt, zsum)
     return loss, lse_out, CallState()
 
 
-def _reduce(call: Call, lse, zt, zsum) -> tuple:
+def reduce_loss(call: Call, lse, zt, zsum) -> tuple:
+    """``(loss, lse_out)`` of the call from every row's LSE, target logit and (label smoothing) sum of
+    logits over the whole vocabulary: the loss terms, token weights and reduction, NaN where a row's
+    logits are not finite or its target is out of range; ``lse_out`` 0 at ignored rows."""
     o = call.options
     lse = lse.float()
     ls = o.label_smoothing
@@ -165,7 +169,7 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
     )
     de, dc, dbias = strategy.run(args, bw)
     if coef_u is not None:
-        de, dc, dbias = _add_uniform_term(e, call, coef_u, csum if csum is not None else _column_sum(c), de, dc, dbias)
+        de, dc, dbias = add_uniform_term(e, call, coef_u, csum if csum is not None else _column_sum(c), de, dc, dbias)
     return de, dc, dbias
 
 
@@ -174,7 +178,7 @@ def backward_reference(call: Call, e, c, bias, lse, coef_s, coef_t, coef_u) -> t
     return reference.backward(e, c, bias, call.rows, call.targets, lse, coef_s, coef_t, call.softcap, coef_u=coef_u)
 
 
-def _add_uniform_term(e, call: Call, coef_u, csum, de, dc, dbias):
+def add_uniform_term(e, call: Call, coef_u, csum, de, dc, dbias):
     """The label-smoothing term -coef_u[i] of every logit of row i: dE[row i] -= coef_u[i] Σ_v C[v],
     every dC row -= Σ_i coef_u[i] e_i, every dbias entry -= Σ_i coef_u[i] (products in fp32)."""
     D = e.shape[-1]
