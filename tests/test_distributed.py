@@ -136,7 +136,9 @@ def _check_errors(mesh):
         raise AssertionError("an out-of-range target was accepted")
 
 
-def _worker(rank, world, init_file, out_dir, cases, interpret):
+def _worker(rank, world, init_file, out_dir, jobs, interpret):
+    """Run each ``(label, check, args)`` of ``jobs`` as ``check(mesh, *args)`` on a 1-D mesh of all the
+    ranks; what fails is written to ``out_dir`` for the test (a rank's failures, with their labels)."""
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch.distributed as dist
@@ -146,42 +148,42 @@ def _worker(rank, world, init_file, out_dir, cases, interpret):
     failures = []
     try:
         mesh = init_device_mesh("cpu", (world,))
-        for case in cases:
+        for label, check, args in jobs:
             try:
-                _check(mesh, case)
-            except Exception:  # noqa: BLE001 - reported to the test, which fails naming the case
-                failures.append(f"{case}: {traceback.format_exc()}")
-        if not interpret:
-            try:
-                _check_errors(mesh)
-            except Exception:  # noqa: BLE001
-                failures.append(f"errors: {traceback.format_exc()}")
+                check(mesh, *args)
+            except Exception:  # noqa: BLE001 - reported to the test, which fails naming the job
+                failures.append(f"{label}: {traceback.format_exc()}")
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write("\n".join(failures))
         dist.destroy_process_group()
 
 
-def _spawn(world, cases, interpret=False):
+def _spawn(world, jobs, interpret=False):
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), tmp, cases, interpret), nprocs=world,
+        mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), tmp, jobs, interpret), nprocs=world,
                            start_method="spawn")
         failures = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(world)]
     assert not any(failures), "\n".join(f"rank {r}: {x}" for r, x in enumerate(failures) if x)
 
 
+def _cases(cases, errors=True):
+    """Jobs for :func:`_spawn`: each case, and the errors' checks."""
+    return [(str(case), _check, (case,)) for case in cases] + ([("errors", _check_errors, ())] if errors else [])
+
+
 def test_two_ranks_match_one_process_for_every_loss_term():
-    _spawn(2, CASES)
+    _spawn(2, _cases(CASES))
 
 
 def test_four_ranks_with_uneven_shards():
-    _spawn(4, [dict(), dict(label_smoothing=0.1, bias=True, shift=1), dict(e_sharded=True, reduction="sum")])
+    _spawn(4, _cases([dict(), dict(label_smoothing=0.1, bias=True, shift=1), dict(e_sharded=True, reduction="sum")]))
 
 
 def test_the_kernels_run_each_shard_through_the_interpreter():
-    _spawn(2, KERNEL_CASES, interpret=True)
+    _spawn(2, _cases(KERNEL_CASES, errors=False), interpret=True)
 
 
 # -- FSDP2 and the Hugging Face patch ------------------------------------------------------------
@@ -208,8 +210,9 @@ def _fsdp_model(patched: bool, head_alone: bool):
     return model
 
 
-def _check_fsdp_training(rank, head_alone):
+def _check_fsdp_training(mesh, head_alone):
     # Each rank its own batch (data parallel); the same steps, patched and not, end at the same weights.
+    rank = mesh.get_local_rank()
     results = []
     for patched in (False, True):
         model = _fsdp_model(patched, head_alone)
@@ -232,11 +235,10 @@ def _check_fsdp_training(rank, head_alone):
         torch.testing.assert_close(params[k], p, rtol=1e-5, atol=1e-6, msg=k)
 
 
-def _check_tensor_parallel_head(world):
+def _check_tensor_parallel_head(mesh):
     # A TP plan that shards lm_head column-wise (its weight Shard(0)): the patched model's loss and
     # gradients are one process's on the whole model (every rank holds the same batch).
     import transformers
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from cce_autotune.integrations.transformers import patch
@@ -248,7 +250,7 @@ def _check_tensor_parallel_head(world):
     ref = transformers.LlamaForCausalLM(config).float().train()
     model = transformers.LlamaForCausalLM(config).float().train()
     model.load_state_dict(ref.state_dict())
-    parallelize_module(model, init_device_mesh("cpu", (world,)), {"lm_head": ColwiseParallel(use_local_output=False)})
+    parallelize_module(model, mesh, {"lm_head": ColwiseParallel(use_local_output=False)})
     patch(model, impl="torch")
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(7))
     want = ref(input_ids=ids, labels=ids).loss
@@ -263,32 +265,8 @@ def _check_tensor_parallel_head(world):
         torch.testing.assert_close(got, grads[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-def _fsdp_worker(rank, world, init_file, out_dir):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    failures = []
-    try:
-        for head_alone in (False, True):
-            try:
-                _check_fsdp_training(rank, head_alone)
-            except Exception:  # noqa: BLE001
-                failures.append(f"head sharded on its own={head_alone}: {traceback.format_exc()}")
-        try:
-            _check_tensor_parallel_head(world)
-        except Exception:  # noqa: BLE001
-            failures.append(f"tensor-parallel lm_head: {traceback.format_exc()}")
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("\n".join(failures))
-        dist.destroy_process_group()
-
-
 def test_fsdp2_and_tensor_parallel_patched_models_match_the_unpatched_one():
     pytest.importorskip("transformers")
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_fsdp_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, start_method="spawn")
-        failures = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(2)]
-    assert not any(failures), "\n".join(f"rank {r}: {x}" for r, x in enumerate(failures) if x)
+    _spawn(2, [("head sharded with the root", _check_fsdp_training, (False,)),
+               ("head sharded on its own", _check_fsdp_training, (True,)),
+               ("tensor-parallel lm_head", _check_tensor_parallel_head, ())])

@@ -200,19 +200,19 @@ def test_broken_cuda_context_stops_and_resume_skips_the_culprit(isolated):
     assert stats.total_measured == 5 and stats.measured == 3  # 1 done + the culprit before the crash
 
 
-def test_two_workers_share_one_study(isolated):
-    url = _url(isolated)
-    log = isolated["tmp"] / "timed.jsonl"
-    spec = tune.StudySpec("h200", "indexed_dot", SMALL, n_trials=16)
-    # (Each trial takes 0.4 s, so that both workers overlap even when one starts seconds late on a
+def check_workers_share_one_study(url, log, workers: int, n_trials: int) -> None:
+    """``workers`` processes of the fake backend on one study of ``n_trials`` at ``url`` (each timing run
+    logged to ``log``): the budget is shared, every worker's trial is closed, nothing is lost or repeated."""
+    spec = tune.StudySpec("h200", "indexed_dot", SMALL, n_trials=n_trials)
+    # (Each trial takes 0.4 s, so that the workers overlap even when one starts seconds late on a
     # loaded machine.)
-    tune.run_workers(2, "fake", {"log_path": str(log), "fail_compile": None, "fail_resources": None,
-                                 "slow": [{}], "slow_s": 0.4}, url, [spec])
+    tune.run_workers(workers, "fake", {"log_path": str(log), "fail_compile": None, "fail_resources": None,
+                                       "slow": [{}], "slow_s": 0.4}, url, [spec])
     trials = _trials(spec, url)
     measured = _measured(trials)
-    assert 16 <= len(measured) <= 17  # the budget is shared (one extra only in a rare race)
+    assert n_trials <= len(measured) <= n_trials + workers - 1  # the budget is shared (extras only in a rare race)
     assert not [t for t in trials if t.state == TrialState.RUNNING]
-    assert len({t.user_attrs["worker"] for t in measured}) == 2  # both workers contributed
+    assert len({t.user_attrs["worker"] for t in measured}) >= 2  # workers contributed
     assert len({t.number for t in trials}) == len(trials)
     # every timing run is one stored trial and vice versa: nothing lost, nothing repeated
     timed = Counter(json.dumps({k: v for k, v in json.loads(line)["knobs"].items() if k != "kernel"}, sort_keys=True)
@@ -220,6 +220,10 @@ def test_two_workers_share_one_study(isolated):
     stored = Counter(json.dumps(t.params, sort_keys=True) for t in measured if t.state == TrialState.COMPLETE)
     assert timed == stored
     assert max(stored.values()) == 1
+
+
+def test_two_workers_share_one_study(isolated):
+    check_workers_share_one_study(_url(isolated), isolated["tmp"] / "timed.jsonl", 2, 16)
 
 
 def test_plan_and_default_hidden():
@@ -376,16 +380,23 @@ def test_concurrent_creation_of_one_database(isolated):
     results = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
 
-# A trial left RUNNING by a killed worker does not count against --trials.
-def test_trials_of_a_dead_worker_do_not_count(isolated):
+def _with_a_dead_workers_trial(isolated, n_trials):
+    """``(spec, url, study, trial)``: a fresh study with one measured trial left RUNNING by a worker
+    process that has exited."""
     url = f"sqlite:///{isolated['tmp'] / 'studies.db'}"
-    spec = tune.StudySpec("h200", "indexed_dot", PROBLEM, n_trials=5)
+    spec = tune.StudySpec("h200", "indexed_dot", PROBLEM, n_trials=n_trials)
     study = tune.open_study(spec, url)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     trial = study.ask(tune._distributions(tune.load_space(spec.kernel)))
     trial.set_user_attr("measured", True)
     trial.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}:w0")
+    return spec, url, study, trial
+
+
+# A trial left RUNNING by a killed worker does not count against --trials.
+def test_trials_of_a_dead_worker_do_not_count(isolated):
+    spec, url, study, _ = _with_a_dead_workers_trial(isolated, 5)
     backend = tune.make_backend("fake")
     stats = tune.run_study(spec, backend, url)
     trials = study.get_trials()
@@ -443,14 +454,7 @@ def test_an_exited_unreaped_worker_counts_as_dead():
 # Two workers may both find a dead worker's trial and close it: on a server database the second's write
 # fails (Optuna's UpdateFinishedTrialError) although it skipped finished trials when it read them.
 def test_a_dead_workers_trial_closed_by_another_worker_first_is_no_error(isolated, monkeypatch):
-    url = f"sqlite:///{isolated['tmp'] / 'studies.db'}"
-    spec = tune.StudySpec("h200", "indexed_dot", PROBLEM, n_trials=3)
-    study = tune.open_study(spec, url)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    trial = study.ask(tune._distributions(tune.load_space(spec.kernel)))
-    trial.set_user_attr("measured", True)
-    trial.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}:w0")
+    spec, url, study, trial = _with_a_dead_workers_trial(isolated, 3)
     real_tell, raced = optuna.Study.tell, []
 
     def tell(self, trial, *args, **kwargs):

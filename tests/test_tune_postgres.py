@@ -22,7 +22,7 @@ from optuna.trial import TrialState  # noqa: E402
 
 from cce_autotune import tuner as tune  # noqa: E402
 from conftest_tune import isolated  # noqa: E402,F401
-from test_tune import SMALL, _measured, _trials  # noqa: E402
+from test_tune import SMALL, _measured, _trials, check_workers_share_one_study  # noqa: E402
 
 
 def _bindir() -> str | None:
@@ -80,17 +80,7 @@ def postgres():
 
 
 def test_workers_share_one_study_on_postgresql(isolated, postgres):
-    log = isolated["tmp"] / "timed.jsonl"
-    spec = tune.StudySpec("h200", "indexed_dot", SMALL, n_trials=12)
-    tune.run_workers(3, "fake", {"log_path": str(log), "fail_compile": None, "fail_resources": None,
-                                 "slow": [{}], "slow_s": 0.3}, postgres, [spec])
-    trials = _trials(spec, postgres)
-    measured = _measured(trials)
-    assert 12 <= len(measured) <= 14  # the budget is shared (one extra per late worker only in a rare race)
-    assert not [t for t in trials if t.state == TrialState.RUNNING]
-    assert len({t.user_attrs["worker"] for t in measured}) >= 2
-    stored = sorted(str(sorted(t.params.items())) for t in measured if t.state == TrialState.COMPLETE)
-    assert len(stored) == len(set(stored))  # nothing measured twice
+    check_workers_share_one_study(postgres, isolated["tmp"] / "timed.jsonl", 3, 12)
 
 
 def test_a_killed_run_resumes_on_postgresql_and_loses_nothing(isolated, postgres):
