@@ -74,8 +74,9 @@ def _full(name: str, t, differentiable: bool):
 
 
 def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dict):
-    """``linear_cross_entropy`` with DTensor arguments (see the module docstring); ``plain`` is the
-    ordinary function, called on local tensors."""
+    """``linear_cross_entropy`` with DTensor arguments (see the module docstring), whose kinds, shapes
+    and dtypes it has checked on the whole tensors and whose e it has cast under autocast; ``plain`` is
+    the ordinary function, called on local tensors."""
     from torch.distributed.tensor import Replicate, Shard  # (lazy: only where DTensors are used)
 
     e = _full("e", e, differentiable=True)
@@ -99,8 +100,6 @@ def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dic
 
 
 def _vocab_parallel(e, c, targets, bias, token_weights, options: dict):
-    from .api import _autocast, _check_tensors  # (lazy: the api module imports this one)
-
     mesh = c.device_mesh
     W, r = mesh.size(), mesh.get_local_rank()
     V = c.shape[0]
@@ -117,8 +116,6 @@ def _vocab_parallel(e, c, targets, bias, token_weights, options: dict):
     if o.label_smoothing and o.softcap is not None:
         raise ValueError("label_smoothing: with a softcap, the smoothing term needs every capped logit; a "
                          "vocabulary-sharded classifier supports one or the other")
-    e = _autocast(e)
-    _check_tensors(e, c_l, targets, b_l, token_weights, o.shift, o.impl)
     # The call as one process sees it (the whole vocabulary's V; the kernels' layout of the rows, which
     # the label-smoothing term reads them through).
     call = prepare(e, c, targets, b_l, token_weights, o, "triton")
