@@ -56,9 +56,11 @@ import torch
 
 from . import memory
 from .api import linear_cross_entropy
+from .bench_hf import HF_METHODS, resolve_hf, run_hf_train
 from .data import DATA_KINDS, TORCH_DTYPES, is_file_kind, load_file, make_data
 from .data import real as realdata
 from .runtime import reference
+from .train_steps import TRAIN_WARMUP_STEPS, time_train_steps
 from .variant import KernelVariants
 
 __all__ = ["SHAPES", "DEFAULT_SHAPES", "GRID", "resolve_shapes", "resolve_grid", "parse_data", "time_ms", "run_shape",
@@ -95,8 +97,6 @@ GRID_METHODS = ("torch", "cce_autotune", "cce_autotune_exact", "cce_autotune_fp3
                 "cce_autotune_unlimited", "apple_cce", "liger_flce")
 ERROR_CALLS = 3  # steady-state calls whose worst errors are reported
 MEMORY_CALLS = 20  # calls whose peak memory is reported (more than one cycle of the planner's pauses)
-TRAIN_WARMUP_STEPS = 5  # --train: untimed steps per method (compilation, autotuning, optimiser state)
-TRAIN_LOSS_STEPS = 10  # --train: the loss reported is the mean over this many last steps
 COLUMNS = ["gpu", "torch", "triton", "data", "shape", "B", "V", "D", "dtype", "method", "pass", "median_ms",
            "p20_ms", "p80_ms", "ratio_to_matmul", "peak_extra_mib", "err_loss", "err_de", "err_dc", "device_ms", "host_ms"]
 DEVICE_CALLS = 5  # calls profiled for the device time of a call
@@ -368,11 +368,6 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_o
     return rows
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def check_train_shape(name: str, B: int, seq: int = realdata.DEFAULT_SEQ) -> None:
     """--train feeds whole windows of ``seq`` tokens: B must be a multiple of it."""
     if B % seq:
@@ -438,33 +433,6 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def time_train_steps(model, opt, batches, loss_fn, warmup: int, loop_steps: int, device, ref_loss=None) -> tuple:
-    """``(row, loss)``: ``warmup`` untimed and ``loop_steps`` timed steps of
-    :func:`cce_autotune.data.real.train_step` on ``batches``, each timed from the host, synchronised
-    before and after; ``row`` holds the ``train_step`` columns (the median, p20, p80 step; the peak
-    memory a timed step holds above what the model and the optimiser held before it, CUDA only, else
-    nan; ``err_loss`` against ``ref_loss``) and ``loss`` is the mean of the last steps' losses."""
-    device = torch.device(device)
-    times, losses = [], []
-    for i in range(warmup + loop_steps):
-        x, y = next(batches)
-        if i == warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            mem_base = torch.cuda.memory_allocated(device)
-        _sync(device)
-        start = time.perf_counter()
-        losses.append(realdata.train_step(model, opt, x, y, loss_fn))
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    mem = (torch.cuda.max_memory_allocated(device) - mem_base) / 2**20 if device.type == "cuda" else math.nan
-    p20, med, p80 = (1e3 * float(q) for q in torch.tensor(times[warmup:]).quantile(torch.tensor([0.2, 0.5, 0.8])))
-    loss = float(torch.stack(losses[-TRAIN_LOSS_STEPS:]).mean())
-    err = abs(loss - ref_loss) / ref_loss if ref_loss is not None else math.nan
-    row = {"pass": "train_step", "median_ms": med, "p20_ms": p20, "p80_ms": p80, "ratio_to_matmul": math.nan,
-           "peak_extra_mib": mem, "err_loss": err, "err_de": math.nan, "err_dc": math.nan}
-    return row, loss
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -554,8 +522,6 @@ def main(argv=None) -> int:
     if args.hf is not None:
         if not args.train:
             ap.error("--hf: times whole training steps; give --train too")
-        from .bench_hf import resolve_hf  # (lazy: bench_hf imports bench; transformers only where --hf asks)
-
         try:
             hf_families = resolve_hf(args.hf)
         except ValueError as exc:
@@ -623,8 +589,6 @@ def main(argv=None) -> int:
             rows += run_shape(name, B, V, D, data, dtype, methods, args.reps, meta, log=log, data_options=options,
                               classifier_dtype=classifier_dtype, softcap=softcap)
     if hf_families:
-        from .bench_hf import HF_METHODS, run_hf_train  # (lazy: as above)
-
         for family in hf_families:
             rows += run_hf_train(family, meta, methods=[m for m in HF_METHODS if keep is None or m in keep],
                                  loop_steps=args.loop_steps, log=log)

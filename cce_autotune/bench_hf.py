@@ -20,9 +20,9 @@ import inspect
 import torch
 
 from . import memory
-from .bench import time_train_steps
 from .data import real as realdata
 from .integrations.transformers import FAMILIES, patch, unpatch
+from .train_steps import TRAIN_WARMUP_STEPS, time_train_steps
 
 __all__ = ["HF_MODELS", "HF_METHODS", "resolve_hf", "run_hf_train"]
 
@@ -81,14 +81,14 @@ def _liger_patch(family: str):
 
 
 def run_hf_train(family: str, meta: dict, *, methods=HF_METHODS, tokens: int = 8192, loop_steps: int = 40,
-                 warmup: int = 5, layers: int = HF_LAYERS, seq: int = HF_SEQ, device="cuda", ids=None,
+                 warmup: int = TRAIN_WARMUP_STEPS, layers: int = HF_LAYERS, seq: int = HF_SEQ, device="cuda", ids=None,
                  sizes: dict | None = None, log=print) -> list[dict]:
     """Rows (``pass`` = ``train_step``) timing whole training steps of family ``family``'s model with
     each of ``methods`` (of :data:`HF_METHODS`; ``unpatched`` first: the others' ``err_loss`` is
     against it). ``tokens`` per step in windows of ``seq``; ``ids``: the token ids to draw windows
     from (default: the benchmark corpus's training part); ``sizes``: config fields that replace the
     released model's (tests build tiny models). Steps are timed as
-    :func:`cce_autotune.bench.time_train_steps` times them."""
+    :func:`cce_autotune.train_steps.time_train_steps` times them."""
     if tokens % seq:
         raise ValueError(f"tokens: {tokens} is not a multiple of the sequence length {seq}")
     device = torch.device(device)

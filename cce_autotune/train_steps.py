@@ -1,0 +1,50 @@
+"""Timing whole training steps (``cce-bench --train``, the GPTs of :mod:`cce_autotune.bench` and the
+Hugging Face models of :mod:`cce_autotune.bench_hf`): the step of :func:`cce_autotune.data.real.train_step`,
+timed from the host and synchronised before and after, with its peak memory and its losses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .data import real as realdata
+
+__all__ = ["TRAIN_WARMUP_STEPS", "TRAIN_LOSS_STEPS", "time_train_steps"]
+
+TRAIN_WARMUP_STEPS = 5  # untimed steps per method (compilation, autotuning, optimiser state)
+TRAIN_LOSS_STEPS = 10  # the loss reported is the mean over this many last steps
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_train_steps(model, opt, batches, loss_fn, warmup: int, loop_steps: int, device, ref_loss=None) -> tuple:
+    """``(row, loss)``: ``warmup`` untimed and ``loop_steps`` timed steps of
+    :func:`cce_autotune.data.real.train_step` on ``batches``, each timed from the host, synchronised
+    before and after; ``row`` holds the ``train_step`` columns (the median, p20, p80 step; the peak
+    memory a timed step holds above what the model and the optimiser held before it, CUDA only, else
+    nan; ``err_loss`` against ``ref_loss``) and ``loss`` is the mean of the last steps' losses."""
+    device = torch.device(device)
+    times, losses = [], []
+    for i in range(warmup + loop_steps):
+        x, y = next(batches)
+        if i == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            mem_base = torch.cuda.memory_allocated(device)
+        _sync(device)
+        start = time.perf_counter()
+        losses.append(realdata.train_step(model, opt, x, y, loss_fn))
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    mem = (torch.cuda.max_memory_allocated(device) - mem_base) / 2**20 if device.type == "cuda" else math.nan
+    p20, med, p80 = (1e3 * float(q) for q in torch.tensor(times[warmup:]).quantile(torch.tensor([0.2, 0.5, 0.8])))
+    loss = float(torch.stack(losses[-TRAIN_LOSS_STEPS:]).mean())
+    err = abs(loss - ref_loss) / ref_loss if ref_loss is not None else math.nan
+    row = {"pass": "train_step", "median_ms": med, "p20_ms": p20, "p80_ms": p80, "ratio_to_matmul": math.nan,
+           "peak_extra_mib": mem, "err_loss": err, "err_de": math.nan, "err_dc": math.nan}
+    return row, loss
