@@ -158,9 +158,10 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
         options = {**options, "variants": variants.json_text}
     shift, impl = options.get("shift", 0), options.get("impl", "auto")
     _check_tensors(e, c, targets, bias, token_weights, shift, impl)
-    if distributed.has_dtensor(e, c, bias, targets, token_weights):  # (torch.distributed's DTensors, checked whole)
-        return distributed.linear_cross_entropy(linear_cross_entropy, e, c, targets, bias, token_weights, options)
     encoded = _encode_options(**options)
+    if distributed.has_dtensor(e, c, bias, targets, token_weights):  # (torch.distributed's DTensors, checked whole)
+        return distributed.linear_cross_entropy(linear_cross_entropy, e, c, targets, bias, token_weights, options,
+                                                encoded)
     if captured.active():  # a capture() block is open: save what this call sees (eager only; checked options)
         captured.record(e, c, targets, bias, options.get("softcap"), options.get("ignore_index", -100), shift)
     needs_grad = torch.is_grad_enabled() and (

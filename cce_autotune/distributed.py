@@ -11,7 +11,8 @@
   operator, which takes the LSE it is given); dE is summed over the mesh with one ``all_reduce``, dC
   and dbias stay on their shard (a DTensor with the classifier's placement). Shards follow
   ``torch.chunk``'s layout, as ``distribute_tensor`` makes them. The backward of a shard plans
-  without a tile map: every tile is computed (no filtering).
+  without a tile map: every tile is computed (no filtering). Forward and backward are two custom
+  operators (values are read only inside them), so a call compiles with ``fullgraph=True``.
 - e a DTensor: ``Replicate()`` is taken as is; rows sharded on a 1-D mesh (``Shard(0)``, sequence or
   batch parallel) are gathered first (``redistribute``; DTensor reduce-scatters their gradient).
   targets and token weights may be DTensors placed the same way.
@@ -26,13 +27,16 @@ would otherwise give silently wrong gradients (call the head, as the Hugging Fac
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
 from .options import Options
-from .runtime.call import Call, prepare
+from .runtime import ops
+from .runtime.call import Call, pred_shape, prepare
 from .runtime.execute import add_uniform_term, reduce_loss
 
 __all__ = ["has_dtensor", "linear_cross_entropy"]
@@ -73,10 +77,10 @@ def _full(name: str, t, differentiable: bool):
                      "rows sharded (Shard(0)) on a 1-D mesh")
 
 
-def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dict):
+def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dict, encoded: str):
     """``linear_cross_entropy`` with DTensor arguments (see the module docstring), whose kinds, shapes
     and dtypes it has checked on the whole tensors and whose e it has cast under autocast; ``plain`` is
-    the ordinary function, called on local tensors."""
+    the ordinary function, called on local tensors; ``encoded``: the checked options, encoded."""
     from torch.distributed.tensor import Replicate, Shard  # (lazy: only where DTensors are used)
 
     e = _full("e", e, differentiable=True)
@@ -96,10 +100,12 @@ def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dic
     if not (c.device_mesh.ndim == 1 and isinstance(c.placements[0], Shard) and c.placements[0].dim == 0):
         raise ValueError(f"c: a DTensor placed {_describe(c)}; linear_cross_entropy takes a classifier sharded over "
                          "the vocabulary (Shard(0)) on a 1-D mesh, or replicated")
-    return _vocab_parallel(e, c, targets, bias, token_weights, options)
+    return _vocab_parallel(e, c, targets, bias, token_weights, options, encoded)
 
 
-def _vocab_parallel(e, c, targets, bias, token_weights, options: dict):
+def _vocab_parallel(e, c, targets, bias, token_weights, options: dict, encoded: str):
+    """The loss of a ``Shard(0)`` classifier (its shapes read here, traceable; the rest in the
+    operators)."""
     mesh = c.device_mesh
     W, r = mesh.size(), mesh.get_local_rank()
     V = c.shape[0]
@@ -112,16 +118,12 @@ def _vocab_parallel(e, c, targets, bias, token_weights, options: dict):
                          f"as torch.chunk lays it out ({chunk} rows a rank), as distribute_tensor does")
     if c_l.shape[0] == 0:
         raise ValueError(f"c: rank {r} of {W} holds no rows of the {V}-row classifier; shard it over fewer ranks")
-    o = Options.check(deterministic_default=torch.are_deterministic_algorithms_enabled(), **options)
-    if o.label_smoothing and o.softcap is not None:
-        raise ValueError("label_smoothing: with a softcap, the smoothing term needs every capped logit; a "
-                         "vocabulary-sharded classifier supports one or the other")
-    # The call as one process sees it (the whole vocabulary's V; the kernels' layout of the rows, which
-    # the label-smoothing term reads them through).
-    call = prepare(e, c, targets, b_l, token_weights, o, "triton")
-    loss, lse = _VocabParallel.apply(e, c_l, b_l, targets, call, mesh.get_group(), lo)
-    if o.return_lse:
-        return loss, lse.view(call.pred_shape)
+    if token_weights is not None:
+        token_weights = token_weights.detach()
+    loss, lse = torch.ops.cce_autotune.vocab_parallel_forward(e, c_l, b_l, targets, token_weights, encoded, V, lo,
+                                                              mesh.get_group().group_name)
+    if options.get("return_lse", False):
+        return loss, lse.view(pred_shape(e.shape[:-1], options.get("shift", 0)))
     return loss
 
 
@@ -155,61 +157,124 @@ def _local_options(o: Options) -> str:
     return replace(o, reduction="none", return_lse=True, label_smoothing=0.0, z_loss=0.0).encode()
 
 
-class _VocabParallel(torch.autograd.Function):
-    """The loss of ``call`` over the shard ``c_l`` (and ``b_l``) of the classifier, whose vocabulary
-    entries start at ``lo``; ``group``: the mesh's process group. Returns ``(loss, lse_out)``."""
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group  # (the name -> group map)
 
-    @staticmethod
-    def forward(ctx, e, c_l, b_l, targets, call: Call, group, lo: int):
-        import torch.distributed as dist  # (lazy: only where DTensors are used)
+    return _resolve_process_group(name)
 
-        o = call.options
-        T, D = e.shape[-2], e.shape[-1]
+
+class _Shard:
+    """The call as one rank sees it: ``call`` (over the whole vocabulary's V), the targets in the
+    shard's numbering (``t_op``: an off-shard target is its entry 0, with no onehot term there) and
+    which rows' targets the shard holds (``in_shard``)."""
+
+    def __init__(self, e, c_l, b_l, targets, token_weights, options: str, V: int, lo: int):
+        o = Options.decode(options)
+        if o.label_smoothing and o.softcap is not None:
+            raise ValueError("label_smoothing: with a softcap, the smoothing term needs every capped logit; a "
+                             "vocabulary-sharded classifier supports one or the other")
+        # (the kernels' layout of the rows, which the label-smoothing term reads them through)
+        self.call = call = prepare(e, c_l, targets, b_l, token_weights, o, "triton", V=V)
+        T = e.shape[-2]
         local = call.targets - lo
-        in_shard = call.valid & ~call.out_of_range & (local >= 0) & (local < c_l.shape[0])
-        t_op = targets.clone()  # (targets off the shard: its entry 0, no onehot term there)
-        t_op.narrow(-1, o.shift, T - o.shift).copy_(
-            torch.where(call.valid, torch.where(in_shard, local, 0), o.ignore_index).view(call.pred_shape))
-        with torch.no_grad():
-            loss_l, lse_l, _ = torch.ops.cce_autotune.lce_forward(e, c_l, b_l, t_op, None, _local_options(o), False)
-        parts = [lse_l, torch.where(in_shard, lse_l - loss_l.reshape(-1), 0.0)]
-        rows = e.narrow(-2, 0, T - o.shift)
-        csum = None
-        if o.label_smoothing:  # Σ_v z_v of each row over the shard: e_i · Σ_v c_v + Σ_v b_v
-            csum = c_l.sum(0, dtype=torch.float32)
-            zsum = rows.reshape(-1, D).float() @ csum
-            if b_l is not None:
-                zsum = zsum + b_l.sum(dtype=torch.float32)
-            parts.append(zsum)
-        # With the rows' parts go what every rank checks at once, in the same gather: a target out of
-        # range, and whether the ranks hold the same rows (the layout this loss is for).
-        checks = _row_checks(call, rows)
-        local_parts = torch.cat([torch.stack(parts).reshape(-1), checks])
-        W = dist.get_world_size(group)
-        everyone = local_parts.new_empty(W * local_parts.numel())
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (its name since 2.13)
-        gather(everyone, local_parts, group=group)
-        everyone = everyone.view(W, -1)
-        _raise_on_checks(everyone[:, -checks.numel():].tolist(), call.V, o.ignore_index)  # (one host copy)
-        everyone = everyone[:, :-checks.numel()].reshape(W, len(parts), -1)
-        zsum = everyone[:, 2].sum(0) if o.label_smoothing else None
-        loss, lse_out = reduce_loss(call, torch.logsumexp(everyone[:, 0], dim=0), everyone[:, 1].sum(0), zsum)
-        ctx.save_for_backward(e, c_l, b_l, t_op, lse_out, in_shard, csum)
-        ctx.call, ctx.group, ctx.has_bias = call, group, b_l is not None
-        return loss, lse_out
+        self.in_shard = call.valid & ~call.out_of_range & (local >= 0) & (local < c_l.shape[0])
+        self.t_op = targets.clone()
+        self.t_op.narrow(-1, o.shift, T - o.shift).copy_(
+            torch.where(call.valid, torch.where(self.in_shard, local, 0), o.ignore_index).view(call.pred_shape))
+        self.local_options = _local_options(o)
+        self.rows = e.narrow(-2, 0, T - o.shift)
 
-    @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
-        import torch.distributed as dist  # (lazy: only where DTensors are used)
 
-        e, c_l, b_l, t_op, lse, in_shard, csum = ctx.saved_tensors
-        call = ctx.call
-        coef_s, coef_t, coef_u = call.coefficients(grad_loss, grad_lse, lse)
-        coef_t = torch.where(in_shard, coef_t, 0.0)  # (a target's onehot term on the shard that holds it)
-        handle = torch.zeros((), dtype=torch.int64)  # (no state: the shard's backward plans without a map)
-        de, dc, db = torch.ops.cce_autotune.lce_backward(coef_t, coef_s - coef_t, e, c_l, b_l, t_op, None, lse,
-                                                         handle, _local_options(call.options))
-        if coef_u is not None:  # the smoothing term, with the shard's column sum (dE's sums over the shards)
-            de, dc, db = add_uniform_term(e, call, coef_u, csum, de, dc, db)
-        dist.all_reduce(de, group=ctx.group)
-        return de, dc, db if ctx.has_bias else None, None, None, None, None
+# The vocabulary-parallel loss as two custom operators, as the one-process loss is
+# (:mod:`cce_autotune.runtime.ops`): everything that reads tensor values (the targets' layout, the
+# gathered check, the planner) runs inside them, so that ``torch.compile(fullgraph=True)`` traces the
+# DTensor arguments around one opaque node each way; the process group travels by its name.
+
+
+@torch.library.custom_op("cce_autotune::vocab_parallel_forward", mutates_args=())
+def vocab_parallel_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                           token_weights: Optional[torch.Tensor], options: str, V: int, lo: int, group: str
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, per-position global LSE, 0 at ignored positions) of the classifier's shard ``c`` (and
+    ``bias``), whose vocabulary entries start at ``lo`` of ``V``, over the process group named ``group``."""
+    import torch.distributed as dist  # (lazy: only where DTensors are used)
+
+    sh = _Shard(e, c, bias, targets, token_weights, options, V, lo)
+    call, o = sh.call, sh.call.options
+    D = e.shape[-1]
+    loss_l, lse_l, _ = torch.ops.cce_autotune.lce_forward(e, c, bias, sh.t_op, None, sh.local_options, False)
+    parts = [lse_l, torch.where(sh.in_shard, lse_l - loss_l.reshape(-1), 0.0)]
+    if o.label_smoothing:  # Σ_v z_v of each row over the shard: e_i · Σ_v c_v + Σ_v b_v
+        zsum = sh.rows.reshape(-1, D).float() @ c.sum(0, dtype=torch.float32)
+        if bias is not None:
+            zsum = zsum + bias.sum(dtype=torch.float32)
+        parts.append(zsum)
+    # With the rows' parts go what every rank checks at once, in the same gather: a target out of
+    # range, and whether the ranks hold the same rows (the layout this loss is for).
+    checks = _row_checks(call, sh.rows)
+    local_parts = torch.cat([torch.stack(parts).reshape(-1), checks])
+    pg = _group(group)
+    W = dist.get_world_size(pg)
+    everyone = local_parts.new_empty(W * local_parts.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (its name since 2.13)
+    gather(everyone, local_parts, group=pg)
+    everyone = everyone.view(W, -1)
+    _raise_on_checks(everyone[:, -checks.numel():].tolist(), V, o.ignore_index)  # (one host copy)
+    everyone = everyone[:, :-checks.numel()].reshape(W, len(parts), -1)
+    zsum = everyone[:, 2].sum(0) if o.label_smoothing else None
+    return reduce_loss(call, torch.logsumexp(everyone[:, 0], dim=0), everyone[:, 1].sum(0), zsum)
+
+
+@vocab_parallel_forward.register_fake
+def _vocab_parallel_forward_fake(e, c, bias, targets, token_weights, options, V, lo, group):
+    o = Options.decode(options)
+    shape = pred_shape(e.shape[:-1], o.shift)
+    loss = e.new_empty(shape if o.reduction == "none" else (), dtype=torch.float32)
+    return loss, e.new_empty((math.prod(shape),), dtype=torch.float32)
+
+
+@torch.library.custom_op("cce_autotune::vocab_parallel_backward", mutates_args=())
+def vocab_parallel_backward(grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], e: torch.Tensor,
+                            c: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                            token_weights: Optional[torch.Tensor], lse: torch.Tensor, options: str, V: int, lo: int,
+                            group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dE summed over the group, the shard's dC, its dbias or an empty tensor) of
+    :func:`vocab_parallel_forward`'s loss; ``lse``: its global LSE."""
+    import torch.distributed as dist  # (lazy: only where DTensors are used)
+
+    sh = _Shard(e, c, bias, targets, token_weights, options, V, lo)
+    call = sh.call
+    coef_s, coef_t, coef_u = call.coefficients(grad_loss, grad_lse, lse)
+    coef_t = torch.where(sh.in_shard, coef_t, 0.0)  # (a target's onehot term on the shard that holds it)
+    handle = torch.zeros((), dtype=torch.int64)  # (no state: the shard's backward plans without a map)
+    de, dc, db = torch.ops.cce_autotune.lce_backward(coef_t, coef_s - coef_t, e, c, bias, sh.t_op, None, lse, handle,
+                                                     sh.local_options)
+    if coef_u is not None:  # the smoothing term, with the shard's column sum (dE's sums over the shards)
+        de, dc, db = add_uniform_term(e, call, coef_u, c.sum(0, dtype=torch.float32), de, dc, db)
+    dist.all_reduce(de, group=_group(group))
+    return de, dc, db if db is not None else e.new_empty((0,))
+
+
+@vocab_parallel_backward.register_fake
+def _vocab_parallel_backward_fake(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse, options, V, lo, group):
+    return torch.empty_like(e), torch.empty_like(c), torch.empty_like(bias) if bias is not None else e.new_empty((0,))
+
+
+def _setup_context(ctx, inputs, output):
+    e, c, bias, targets, token_weights, options, V, lo, group = inputs
+    ctx.args = (options, V, lo, group)
+    ctx.has_bias, ctx.has_weights = bias is not None, token_weights is not None
+    _, lse = output
+    ctx.save_for_backward(e, c, bias if bias is not None else lse, targets,
+                          token_weights if token_weights is not None else lse, lse)
+
+
+def _autograd_backward(ctx, grad_loss, grad_lse):
+    e, c, bias, targets, token_weights, lse = ctx.saved_tensors
+    de, dc, db = vocab_parallel_backward(grad_loss, grad_lse, e, c, bias if ctx.has_bias else None, targets,
+                                         token_weights if ctx.has_weights else None, lse, *ctx.args)
+    return de, dc, db if ctx.has_bias else None, None, None, None, None, None, None
+
+
+vocab_parallel_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+vocab_parallel_backward.register_autograd(ops.no_double_backward, setup_context=lambda ctx, inputs, output: None)

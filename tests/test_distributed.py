@@ -88,6 +88,37 @@ def _check(mesh, case):
         torch.testing.assert_close(b_d.grad.full_tensor(), ref_b.grad, **close)
 
 
+def _check_compiled(mesh, case):
+    # torch.compile(fullgraph=True) traces the DTensor arguments around the loss's operators: the
+    # compiled call's loss and gradients are the eager one's.
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from cce_autotune import linear_cross_entropy
+
+    e, c, bias, t, w = _inputs(case)
+    options = _options(case)
+
+    def step(fn):
+        c_d = distribute_tensor(c.clone(), mesh, [Shard(0)]).requires_grad_()
+        b_d = distribute_tensor(bias.clone(), mesh, [Shard(0)]).requires_grad_() if bias is not None else None
+        e_d = distribute_tensor(e.clone(), mesh, [Shard(0)]).requires_grad_() if case.get("e_sharded") else \
+            e.clone().requires_grad_()
+        out = fn(e_d, c_d, b_d, t, w)
+        loss, lse = out if options.get("return_lse") else (out, None)
+        (loss.sum() + (0.1 * lse.sum() if lse is not None else 0.0)).backward()
+        grads = [x.grad.full_tensor() if hasattr(x.grad, "full_tensor") else x.grad for x in (e_d, c_d, b_d)
+                 if x is not None]
+        return [loss.detach()] + ([lse.detach()] if lse is not None else []) + grads
+
+    def call(e_, c_, b_, t_, w_):
+        return linear_cross_entropy(e_, c_, t_, b_, token_weights=w_, **options)
+
+    want = step(call)
+    got = step(torch.compile(call, fullgraph=True, backend="aot_eager"))
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
 def _check_errors(mesh):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -178,6 +209,11 @@ def test_two_ranks_match_one_process_for_every_loss_term():
     _spawn(2, _cases(CASES))
 
 
+def test_the_vocabulary_parallel_loss_compiles_with_fullgraph():
+    cases = [dict(e_sharded=True), dict(label_smoothing=0.1, bias=True, return_lse=True, z_loss=1e-3, token_weights=True)]
+    _spawn(2, [(f"compiled {case}", _check_compiled, (case,)) for case in cases])
+
+
 def test_four_ranks_with_uneven_shards():
     _spawn(4, _cases([dict(), dict(label_smoothing=0.1, bias=True, shift=1), dict(e_sharded=True, reduction="sum")]))
 
@@ -189,7 +225,7 @@ def test_the_kernels_run_each_shard_through_the_interpreter():
 # -- FSDP2 and the Hugging Face patch ------------------------------------------------------------
 
 
-def _fsdp_model(patched: bool, head_alone: bool):
+def _fsdp_model(patched: bool, head_alone: bool, mesh=None, before_fsdp=None):
     import transformers
     from torch.distributed.fsdp import fully_shard
 
@@ -202,11 +238,13 @@ def _fsdp_model(patched: bool, head_alone: bool):
     model = transformers.LlamaForCausalLM(config).float()
     if patched:
         patch(model, impl="torch")
+    if before_fsdp is not None:
+        before_fsdp(model)
     for layer in model.model.layers:
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     if head_alone:
-        fully_shard(model.lm_head)
-    fully_shard(model)
+        fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -263,6 +301,51 @@ def _check_tensor_parallel_head(mesh):
     for k, p in model.named_parameters():
         got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         torch.testing.assert_close(got, grads[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _check_fsdp_over_tensor_parallel(mesh, head_alone):
+    # A 2-D mesh (data parallel x tensor parallel): lm_head sharded column-wise over "tp", FSDP2 over
+    # "dp" (the layers, the root, and with head_alone the head on its own). FSDP gathers the "dp"
+    # shards around the forward, so the loss sees lm_head's weight Shard(0) on the 1-D "tp" mesh: the
+    # vocabulary-parallel loss. The patched model trains as the unpatched one under FSDP2 alone.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    world = mesh.size()
+    mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh2["dp"].get_local_rank()
+    results = []
+    for patched in (False, True):
+        tp = (lambda m: parallelize_module(m, mesh2["tp"], {"lm_head": ColwiseParallel(use_local_output=False)})) \
+            if patched else None
+        model = _fsdp_model(patched, head_alone and patched, mesh=mesh2["dp"], before_fsdp=tp)
+        model.train()
+        hooks = (dict(model.lm_head._forward_pre_hooks), dict(model.lm_head._forward_hooks))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(100 + dp)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, V, (2, 12), generator=g)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        if patched:
+            assert model.lm_head.weight.device_mesh.ndim == 2, model.lm_head.weight.placements
+        # (the TP hooks that the loss's call leaves out are back, in their order)
+        assert (dict(model.lm_head._forward_pre_hooks), dict(model.lm_head._forward_hooks)) == hooks
+        results.append((torch.stack(losses), {k: p.full_tensor().detach() for k, p in model.named_parameters()}))
+    (ref_losses, ref_params), (losses, params) = results
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for k, p in ref_params.items():
+        torch.testing.assert_close(params[k], p, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_fsdp2_over_a_tensor_parallel_head_on_a_2d_mesh():
+    pytest.importorskip("transformers")
+    _spawn(4, [("FSDP2 x TP", _check_fsdp_over_tensor_parallel, (False,)),
+               ("FSDP2 x TP, the head sharded on its own", _check_fsdp_over_tensor_parallel, (True,))])
 
 
 def test_fsdp2_and_tensor_parallel_patched_models_match_the_unpatched_one():

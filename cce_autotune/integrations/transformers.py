@@ -224,14 +224,26 @@ def _through_head(head, hidden, head_loss):
     outside its forward, and FSDP gathers it, and reduces its gradient, only around a call of the
     module: such a head is called, with the loss as its forward. Any other head's weight is read (a
     plain tensor, or a DTensor that ``linear_cross_entropy`` takes as it is placed: a tensor-parallel
-    ``lm_head``)."""
+    ``lm_head``).
+
+    A tensor-parallel plan's hooks on such a head (FSDP2 over TP) adapt its input and its output, the
+    logits, to their DTensor layouts; the loss takes its arguments as they are placed and returns a
+    plain loss, so those hooks are left out of the call (FSDP's run)."""
     if not _fsdp_managed(head):
         return head_loss(hidden, head.weight, getattr(head, "bias", None))
     head.forward = lambda h: head_loss(h, head.weight, getattr(head, "bias", None))
+    hooks = (head._forward_pre_hooks, head._forward_hooks)
+    saved = [dict(d) for d in hooks]
+    for d in hooks:
+        for key in [k for k, fn in d.items() if getattr(fn, "__module__", "").startswith("torch.distributed.tensor")]:
+            del d[key]
     try:
         return head(hidden)
     finally:
         del head.forward
+        for d, kept in zip(hooks, saved):
+            d.clear()
+            d.update(kept)
 
 
 def _fsdp_managed(module) -> bool:

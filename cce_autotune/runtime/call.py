@@ -147,10 +147,11 @@ def pred_shape(batch, shift: int) -> torch.Size:
     return torch.Size(tuple(batch[:-1]) + (batch[-1] - shift,))
 
 
-def prepare(e, c, targets, bias, token_weights, o: Options, impl: str) -> Call:
-    """The call's rows, targets and weights (and, on the kernels' path, their layout)."""
+def prepare(e, c, targets, bias, token_weights, o: Options, impl: str, V: int | None = None) -> Call:
+    """The call's rows, targets and weights (and, on the kernels' path, their layout); ``V``: the
+    vocabulary's size where ``c`` holds a shard of it (default: c's rows)."""
     dev = e.device
-    V = c.shape[0]
+    V = c.shape[0] if V is None else V
     batch = tuple(e.shape[:-1])
     T = batch[-1]
     shape = pred_shape(batch, o.shift)

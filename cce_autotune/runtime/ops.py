@@ -31,7 +31,7 @@ from ..variant import KernelVariants, VariantError
 from . import execute
 from .call import pred_shape, prepare, raise_landed_checks
 
-__all__ = ["lce_forward", "lce_backward", "start"]
+__all__ = ["lce_forward", "lce_backward", "start", "no_double_backward"]
 
 
 def _variants(o: Options, e, c, bias, impl: str) -> tuple:
@@ -189,11 +189,11 @@ def _autograd_backward(ctx, grad_loss, grad_lse, grad_handle):
 lce_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def _no_double_backward(ctx, *grads):
+def no_double_backward(ctx, *grads):
     raise RuntimeError(
         "linear_cross_entropy: second derivatives are not supported (a backward through the gradients, "
         "e.g. torch.autograd.grad(..., create_graph=True) then another backward): the saved log-sum-exp "
         "is not differentiated again; compute such terms with a materialised-logits loss")
 
 
-lce_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+lce_backward.register_autograd(no_double_backward, setup_context=lambda ctx, inputs, output: None)
