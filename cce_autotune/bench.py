@@ -24,7 +24,8 @@ not applied). ``--softcap S`` applies a logit softcap ``S * tanh(z / S)`` (Gemma
 method, the peers' included, and in the reference; the shape's name then ends in ``+softcapS``.
 
 ``--grid`` runs the heads of :data:`GRID` (the vocabulary and hidden sizes of known models, B = 8192,
-Gemma 2's with its softcap; Llama 3 8B's also at 2,048 and 32,768 tokens) on LM-like and real data with
+Gemma 2's with its softcap; Llama 3 8B's also at 2,048 and 32,768 tokens) on LM-like data of both
+generators and real data with
 every mode: PyTorch, ours by default, exact, deterministic, without a memory budget, with the fp32
 classifier of a mixed-precision loop under autocast (``cce_autotune_fp32_classifier``), and the peers;
 ``--shapes`` picks some of its heads. Every row also has ``host_ms``: the median minus the device's
@@ -75,7 +76,8 @@ SHAPES = {
     "gpt2048": (8192, 50000, 2048),
     "gpt4096": (8192, 50000, 4096),
 }
-DEFAULT_SHAPES = {"lm": "gemma2,llama3,mistral", "random": "gemma2,llama3,mistral", "real": "gpt768,gpt2048,gpt4096"}
+DEFAULT_SHAPES = {"lm": "gemma2,llama3,mistral", "sampled": "gemma2,llama3,mistral", "random": "gemma2,llama3,mistral",
+                  "real": "gpt768,gpt2048,gpt4096"}
 # --grid: the heads of known models at B = 8192 (Gemma 2's with its softcap 30), and Llama 3 8B's head at
 # 2,048 and 32,768 tokens: name -> (B, V, D, softcap).
 GRID = {
@@ -92,7 +94,7 @@ GRID = {
     "128256x4096_B2048": (2048, 128256, 4096, None),
     "128256x4096_B32768": (32768, 128256, 4096, None),
 }
-GRID_DATA = "lm,real"
+GRID_DATA = "lm,sampled,real"
 GRID_METHODS = ("torch", "cce_autotune", "cce_autotune_exact", "cce_autotune_fp32_classifier", "cce_autotune_deterministic",
                 "cce_autotune_unlimited", "apple_cce", "liger_flce")
 ERROR_CALLS = 3  # steady-state calls whose worst errors are reported
@@ -577,6 +579,8 @@ def main(argv=None) -> int:
     print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}", flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     rows = []
+    out = Path(args.out)
+    stem = f"{'train' if args.train else 'grid' if args.grid else 'bench'}_{meta['gpu'].replace(' ', '_')}{('_' + args.tag) if args.tag else ''}"
     for data, (name, B, V, D, softcap) in plan:
         methods = methods_for(softcap)
         if args.train:
@@ -588,12 +592,11 @@ def main(argv=None) -> int:
                 name = f"{name}+softcap{softcap:g}"
             rows += run_shape(name, B, V, D, data, dtype, methods, args.reps, meta, log=log, data_options=options,
                               classifier_dtype=classifier_dtype, softcap=softcap)
+        write_csv(rows, out / f"{stem}.csv")  # (after each head: a run cut short keeps what it measured)
     if hf_families:
         for family in hf_families:
             rows += run_hf_train(family, meta, methods=[m for m in HF_METHODS if keep is None or m in keep],
                                  loop_steps=args.loop_steps, log=log)
-    out = Path(args.out)
-    stem = f"{'train' if args.train else 'grid' if args.grid else 'bench'}_{meta['gpu'].replace(' ', '_')}{('_' + args.tag) if args.tag else ''}"
     write_csv(rows, out / f"{stem}.csv")
     drew = plot(rows, out / f"{stem}.png")
     print_table(rows)

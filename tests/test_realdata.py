@@ -115,7 +115,7 @@ def test_gpt_config_and_errors(data_dir):
 
 
 def test_make_data_unknown_kind():
-    with pytest.raises(ValueError, match=r"^data: 'bogus' is none of lm, random, real and no such file: bogus"):
+    with pytest.raises(ValueError, match=r"^data: 'bogus' is none of lm, sampled, random, real and no such file: bogus"):
         make_data("bogus", 8, 16, 4)
 
 
@@ -186,3 +186,23 @@ def test_bench_train_loop_on_cpu(data_dir):
     assert rows[0]["err_loss"] == 0
     with pytest.raises(ValueError, match="^--shapes: tiny has B=100"):
         bench.run_train("tiny", 100, V, 32, methods, {}, device="cpu", seq=64)
+
+
+def test_sampled_data_is_calibrated_and_unlike_lm_like():
+    # "sampled": targets drawn from the model's own softmax, so the loss is the softmax's mean entropy
+    # (a calibrated model); lm_like's embeddings point at their targets (a loss far below its entropy).
+    import torch.nn.functional as F
+
+    from cce_autotune.data import make_data, mean_entropy
+
+    e, c, t = make_data("sampled", 2048, 3000, 64, dtype=torch.float32, seed=1)
+    assert e.shape == (2048, 64) and c.shape == (3000, 64) and t.dtype == torch.int64
+    assert 0 <= int(t.min()) and int(t.max()) < 3000
+    assert abs(mean_entropy(e, c) - 3.5) < 0.01
+    loss = float(F.cross_entropy(e @ c.T, t))
+    assert abs(loss - mean_entropy(e, c, rows=2048)) < 0.15, loss
+    e2, c2, t2 = make_data("sampled", 2048, 3000, 64, dtype=torch.float32, seed=1)
+    assert torch.equal(e, e2) and torch.equal(c, c2) and torch.equal(t, t2)
+    e3, c3, t3 = make_data("lm", 2048, 3000, 64, dtype=torch.float32, seed=1)
+    assert float(F.cross_entropy(e3 @ c3.T, t3)) < mean_entropy(e3, c3) - 1.0
+    assert make_data("sampled", 8, 300, 16)[0].dtype == torch.bfloat16

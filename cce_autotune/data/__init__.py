@@ -1,5 +1,5 @@
-"""The data the loss is tuned, benchmarked and tested on: synthetic (:mod:`.synthetic`: LM-like and
-random), real (:mod:`.real`: hidden states of a small GPT trained on real text) and captured
+"""The data the loss is tuned, benchmarked and tested on: synthetic (:mod:`.synthetic`: LM-like, LM-like
+of another construction with sampled targets, and random), real (:mod:`.real`: hidden states of a small GPT trained on real text) and captured
 (:mod:`.captured`: activations saved from a user's own training step).
 
 :func:`make_data` gives ``(e, c, targets)`` of any kind by name, or read from an activation file.
@@ -13,12 +13,12 @@ import os
 import torch
 
 from . import captured, real
-from .synthetic import lm_like, mean_entropy, random_data
+from .synthetic import lm_like, lm_sampled, mean_entropy, random_data
 
-__all__ = ["DATA_KINDS", "TORCH_DTYPES", "lm_like", "random_data", "make_data", "mean_entropy", "is_file_kind",
+__all__ = ["DATA_KINDS", "TORCH_DTYPES", "lm_like", "lm_sampled", "random_data", "make_data", "mean_entropy", "is_file_kind",
            "load_file", "resolve_data", "file_dtype"]
 
-DATA_KINDS = ("lm", "random", "real")
+DATA_KINDS = ("lm", "sampled", "random", "real")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # short name -> dtype
 
 
@@ -62,7 +62,7 @@ def _load_cached(path: str, mtime: int, size: int):
 
 
 def make_data(kind: str, B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed: int = 0, **options):
-    """(e, c, targets) of kind ``lm``, ``random`` or ``real``, or read from an activation file
+    """(e, c, targets) of kind ``lm``, ``sampled``, ``random`` or ``real``, or read from an activation file
     (``kind`` is its path: :mod:`cce_autotune.data.captured`; V and D must be the file's, B rows are
     its first B, repeated in order if it holds fewer); ``options`` go to that kind's generator
     (e.g. ``entropy`` for ``lm``, ``steps`` for ``real``)."""
@@ -73,6 +73,8 @@ def make_data(kind: str, B: int, V: int, D: int, dtype=torch.bfloat16, device="c
         return captured.rows_for(acts, B, dtype, device)[:3]
     if kind == "lm":
         return lm_like(B, V, D, dtype, device, seed, **options)
+    if kind == "sampled":
+        return lm_sampled(B, V, D, dtype, device, seed, **options)
     if kind == "random":
         return random_data(B, V, D, dtype, device, seed, **options)
     return real.real_data(B, V, D, dtype, device, seed, **options)

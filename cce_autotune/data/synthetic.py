@@ -9,6 +9,15 @@
   - Finally the embeddings are scaled (bisection on one global factor) until the mean softmax
     entropy over a sample of rows is ``entropy`` nats (default 4.0, in the 3.5-4.8 nats measured
     on trained LMs), so that gradient filtering and vocabulary sorting see realistic sparsity.
+``sampled``: LM-like data of another construction, which the tuner never sees (a check that what was
+  tuned on ``lm`` holds elsewhere):
+  - the vocabulary falls into 64 topics; a classifier row is its topic's centre plus noise, with a
+    Zipfian prior (exponent 1.0, another random ranking) along a shared direction;
+  - a hidden state is one topic's centre (topics drawn Zipfian) plus noise and the shared direction;
+  - the targets are drawn from the model's own softmax, as a calibrated model's next tokens are,
+    instead of each embedding pointing at its target: a target may sit anywhere in its row's
+    distribution, in a tile a filter would drop;
+  - the scale is set (bisection) for a mean softmax entropy of ``entropy`` nats (default 3.5).
 ``random``: e, c ~ N(0, 1) / D^(1/4) (flat softmax, filtering skips almost nothing), uniform targets.
 (``real``, the hidden states of a small GPT trained on real text, is :mod:`cce_autotune.data.real`;
 activation files saved from a user's run are :mod:`cce_autotune.data.captured`.)
@@ -20,7 +29,7 @@ import math
 
 import torch
 
-__all__ = ["lm_like", "random_data", "mean_entropy"]
+__all__ = ["lm_like", "lm_sampled", "random_data", "mean_entropy"]
 
 
 def mean_entropy(e: torch.Tensor, c: torch.Tensor, rows: int = 256) -> float:
@@ -44,7 +53,13 @@ def lm_like(B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed: in
     c += (logp_prior - logp_prior.mean()).float()[:, None] * 0.15 * u[None, :]
     noise = torch.randn(B, D, **kw) / math.sqrt(D)
     e = c[targets] / c[targets].norm(dim=1, keepdim=True) + 0.8 * noise + 0.5 * u[None, :]
-    # Calibrate the global scale of e to the requested mean entropy (entropy falls as scale grows).
+    e = e * _calibrate(e, c, entropy)  # the global scale of e for the requested mean entropy
+    return e.to(dtype).contiguous(), c.to(dtype).contiguous(), targets
+
+
+def _calibrate(e: torch.Tensor, c: torch.Tensor, entropy: float) -> float:
+    """The factor of e that gives a mean softmax entropy of ``entropy`` nats (bisection; entropy
+    falls as the factor grows)."""
     lo, hi = 0.01, 1000.0
     for _ in range(40):
         mid = math.sqrt(lo * hi)
@@ -52,7 +67,32 @@ def lm_like(B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed: in
             lo = mid
         else:
             hi = mid
-    e = e * math.sqrt(lo * hi)
+    return math.sqrt(lo * hi)
+
+
+def lm_sampled(B: int, V: int, D: int, dtype=torch.bfloat16, device="cpu", seed: int = 0, entropy: float = 3.5,
+               topics: int = 64):
+    """(e (B, D), c (V, D), targets (B,)): LM-like data of another construction than :func:`lm_like`,
+    with targets drawn from the model's own softmax; see the module docstring."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    kw = dict(generator=g, device=device)
+    K = max(1, min(topics, V))
+    centres = torch.randn(K, D, **kw) / math.sqrt(D)
+    topic = torch.randint(0, K, (V,), **kw)
+    logp_prior = -1.0 * torch.log1p(torch.randperm(V, **kw).float())
+    u = torch.randn(D, **kw)
+    u /= u.norm()
+    c = 0.6 * centres[topic] + torch.randn(V, D, **kw) / math.sqrt(D)
+    c += (logp_prior - logp_prior.mean())[:, None] * 0.1 * u[None, :]
+    topic_prior = torch.softmax(-1.0 * torch.log1p(torch.arange(K, device=device).float()), 0)
+    rows_topic = torch.multinomial(topic_prior, B, replacement=True, generator=g)
+    e = centres[rows_topic] + 0.7 * torch.randn(B, D, **kw) / math.sqrt(D) + 0.8 * u[None, :]
+    e = e * _calibrate(e, c, entropy)
+    targets = torch.empty(B, dtype=torch.int64, device=device)
+    step = max(1, (1 << 26) // V)  # rows per draw: 256 MiB of fp32 probabilities
+    for i in range(0, B, step):
+        p = torch.softmax(e[i:i + step] @ c.T, dim=1)
+        targets[i:i + step] = torch.multinomial(p, 1, generator=g).squeeze(1)
     return e.to(dtype).contiguous(), c.to(dtype).contiguous(), targets
 
 
