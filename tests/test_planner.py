@@ -10,6 +10,7 @@ from cce_autotune import BackwardVariant, LSEForwardVariant, linear_cross_entrop
 from cce_autotune.planning import budget as budgets
 from cce_autotune.planning import costs, explain, planner
 from cce_autotune.planning.budget import memory_budget, parse_bytes
+from cce_autotune.planning.filters import SUMMED_DC_BLOCKS
 from cce_autotune.plans import BackwardPlan, MiB
 from cce_autotune.plans import CallProblem as Problem
 from cce_autotune.strategies import chunked, forward, fused, tiles
@@ -224,6 +225,17 @@ def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
     for exact in (False, True):
         acc = plan_fused(p, v, paused=True, exact=exact, allowed=True, max_extra_memory=room)
         assert acc.dc_fp32 and acc.row_block == 1024 and acc.extra_bytes <= room
+    # A default call sums a 16-bit dC in dC itself over at most SUMMED_DC_BLOCKS blocks (its rounding
+    # error grows with their number): with more, even a variant that asks for the fused strategy runs
+    # the four-matmul plan.
+    k = SUMMED_DC_BLOCKS
+    for blocks, fits in ((k, True), (2 * k, False)):
+        R = 1 << (-(-p.n // blocks) - 1).bit_length()  # (a power of two: the fewest rows for that many blocks)
+        budget = fused.extra_bytes(p, R)
+        assert -(-p.n // fused.block_rows(p, budget)) <= blocks
+        for variant, paused in ((v, True), (v.replace(strategy="fused"), False)):
+            got = plan_fused(p, variant, paused=paused, allowed=True, max_extra_memory=budget)
+            assert (got is not None and not got.dc_fp32 and -(-p.n // got.row_block) <= k) if fits else got is None
     assert plan_fused(p, v, paused=True, allowed=False) is None  # e.g. reduction "none"
     assert plan_fused(p, v, paused=True, allowed=True, max_extra_memory=MiB) is None  # no room for a block
     assert plan_fused(p, v.replace(strategy="fused"), paused=False, allowed=True) is not None

@@ -170,7 +170,9 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: b
     (``paused``: most tiles live), or the variant asks for an in-forward strategy. ``allowed``: the
     call's loss permits it. The strategy must fit ``budget`` with blocks of at least the cost model's
     ``fused_min_rows`` rows (or all rows) and beat the forward plus the exact backward by the cost
-    model, unless the variant asks for it."""
+    model, unless the variant asks for it. A 16-bit dC without room for its fp32 accumulator is summed
+    over at most :data:`~cce_autotune.planning.filters.SUMMED_DC_BLOCKS` blocks (the accuracy of a
+    default call), over none in an exact call, whatever the variant asks."""
     if not allowed:
         return None
     if variant.strategy != "auto":
@@ -185,7 +187,8 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: b
             return None
     else:
         return None
-    opt = chosen.forward_option(p, costs, budget, dense_rows, forced=forced, exact=exact)
+    opt = chosen.forward_option(p, costs, budget, dense_rows, forced=forced,
+                                summed_blocks=1 if exact else filters.SUMMED_DC_BLOCKS)
     if opt is None:
         return None
     other = costs.forward + exact_cost(p, variant, budget, costs)
@@ -532,7 +535,7 @@ def unfiltered_cost(p: CallProblem, variant, budget: int | None, costs, fused_al
     if fused_allowed:
         for s in strategies.all_strategies():
             if s.in_forward:
-                opt = s.forward_option(p, costs, budget)
+                opt = s.forward_option(p, costs, budget, summed_blocks=filters.SUMMED_DC_BLOCKS)
                 if opt is not None:
                     best = min(best, opt.cost)
     return best

@@ -6,7 +6,8 @@ four when most tiles are live), at the price of the logit block (rows x V, fp32)
 as the budget allows: dC is read and written once per block, so fewer blocks move less memory. dC
 sums over the blocks: straight into an fp32 dC (an fp32 classifier), else in an
 fp32 accumulator (V x D, 4 bytes each) where the plan says so, else in dC's own dtype with one
-rounding per block (not for exact calls: their dC error would grow with the number of blocks). For
+rounding per block (over as many blocks as the call's accuracy allows:
+:data:`cce_autotune.planning.filters.SUMMED_DC_BLOCKS`, none for exact calls). For
 the "mean" and "sum" reductions without the LSE's gradient (the planner takes it only then).
 """
 
@@ -85,18 +86,18 @@ class Fused(Strategy):
         return None  # (it runs in the forward: see forward_option)
 
     def forward_option(self, p: CallProblem, costs, budget: int | None, dense_rows: bool = True,
-                       forced: bool = False, exact: bool = False) -> Option | None:
+                       forced: bool = False, summed_blocks: int = 1) -> Option | None:
         """The estimate of forward and backward together, with the most rows per block that fit
         ``budget``. A 16-bit dC that takes more than one block sums in an fp32 accumulator where it
-        fits beside a block, else (not when ``exact``) in dC itself. None: nothing fits, or, unless
-        ``forced``, blocks of fewer rows than the cost model's ``fused_min_rows``."""
+        fits beside a block, else in dC itself over at most ``summed_blocks`` blocks. None: nothing
+        fits, or, unless ``forced``, blocks of fewer rows than the cost model's ``fused_min_rows``."""
         R = block_rows(p, budget, dense_rows)
         acc = False
         if R is not None and R < p.n and p.dc_elem < 4:
             with_acc = block_rows(p, budget, dense_rows, dc_fp32=True)
             if with_acc is not None and (with_acc >= min(p.n, costs.fused_min_rows) or forced):
                 R, acc = with_acc, with_acc < p.n
-            elif exact:
+            elif -(-p.n // R) > summed_blocks:
                 R = None
         if R is None or (R < min(p.n, costs.fused_min_rows) and not forced):
             return None
