@@ -251,26 +251,30 @@ def _fsdp_model(patched: bool, head_alone: bool, mesh=None, before_fsdp=None):
 def _check_fsdp_training(mesh, head_alone):
     # Each rank its own batch (data parallel); the same steps, patched and not, end at the same weights.
     rank = mesh.get_local_rank()
-    results = []
-    for patched in (False, True):
-        model = _fsdp_model(patched, head_alone)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(100 + rank)
-        losses = []
-        for _ in range(3):
-            ids = torch.randint(0, V, (2, 12), generator=g)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-        params = {k: p.full_tensor().detach() for k, p in model.named_parameters()}
-        results.append((torch.stack(losses), params))
+    _assert_same_training([_train(_fsdp_model(patched, head_alone), 100 + rank) for patched in (False, True)], 1e-6)
+
+
+def _train(model, seed):
+    """(losses, full parameters) after 3 AdamW steps of ``model`` on batches drawn from ``seed``."""
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, V, (2, 12), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses), {k: p.full_tensor().detach() for k, p in model.named_parameters()}
+
+
+def _assert_same_training(results, atol):
     (ref_losses, ref_params), (losses, params) = results
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for k, p in ref_params.items():
-        torch.testing.assert_close(params[k], p, rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(params[k], p, rtol=1e-5, atol=atol, msg=k)
 
 
 def _check_tensor_parallel_head(mesh):
@@ -319,27 +323,13 @@ def _check_fsdp_over_tensor_parallel(mesh, head_alone):
         tp = (lambda m: parallelize_module(m, mesh2["tp"], {"lm_head": ColwiseParallel(use_local_output=False)})) \
             if patched else None
         model = _fsdp_model(patched, head_alone and patched, mesh=mesh2["dp"], before_fsdp=tp)
-        model.train()
         hooks = (dict(model.lm_head._forward_pre_hooks), dict(model.lm_head._forward_hooks))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(100 + dp)
-        losses = []
-        for _ in range(3):
-            ids = torch.randint(0, V, (2, 12), generator=g)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+        results.append(_train(model, 100 + dp))
         if patched:
             assert model.lm_head.weight.device_mesh.ndim == 2, model.lm_head.weight.placements
         # (the TP hooks that the loss's call leaves out are back, in their order)
         assert (dict(model.lm_head._forward_pre_hooks), dict(model.lm_head._forward_hooks)) == hooks
-        results.append((torch.stack(losses), {k: p.full_tensor().detach() for k, p in model.named_parameters()}))
-    (ref_losses, ref_params), (losses, params) = results
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    for k, p in ref_params.items():
-        torch.testing.assert_close(params[k], p, rtol=1e-5, atol=1e-5, msg=k)
+    _assert_same_training(results, 1e-5)
 
 
 def test_fsdp2_over_a_tensor_parallel_head_on_a_2d_mesh():
