@@ -28,7 +28,7 @@ import math
 
 from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..tile_map import live_grid
-from .filters import GROUP, MAX_ERROR
+from .filters import CONFIDENCE, GROUP, MAX_ERROR
 
 __all__ = ["check", "filter_errors", "filter_fit", "map_dead", "column_tiles", "sample_rows", "chunk_columns"]
 
@@ -120,13 +120,20 @@ def filter_errors(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | No
 def filter_fit(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                lse: torch.Tensor, softcap: float | None, col_tile: torch.Tensor, dead: torch.Tensor,
                coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None,
-               chunk_v: int = 8192) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               chunk_v: int = 8192, confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(raw, corrected, direction)`` for the arguments of :func:`filter_errors`: ``raw`` (m,) its
     errors; ``corrected`` (m,) the errors left when the dropped terms of row i are replaced by
     ``a_i * direction``, ``a_i = coef_s[i] * (row i's softmax mass in the dead tiles)`` (what the
     chunked backward adds with ``dead_dir``); ``direction`` (m, D) fp32, fitted by least squares on
     all the sampled rows. ``corrected`` is measured out of sample: the rows at even sample positions
     are corrected with the direction fitted on the odd ones, and the reverse.
+
+    ``confidence`` z > 0: ``raw`` and ``corrected`` are upper bounds for the whole call rather than
+    the sample's values: each squared error is a ratio of sums over the sampled rows, ``Σ a_i / Σ w_i``
+    (row i's dropped or left-over squared norm over its gradient's), raised by z of its standard
+    error, ``sqrt(S / (S - 1) · Σ (a_i - r w_i)^2) / Σ w_i``. Where a few rows hold most of what a
+    filter drops, as on LM-like data near a filter's edge, that error is large and a sample of a few
+    hundred rows can miss those rows.
 
     Why one direction: a trained classifier's rarely used rows move together (every step pushes
     them along the mean hidden state), so the terms that a filter drops, ``sum_j p_ij C_j`` over
@@ -155,9 +162,9 @@ def filter_fit(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
         out += _mm32(stack.to(e_rows.dtype), c[v0:v1])
         del p, g, d, stack
     out = out.view(m + 1, S, D)
-    whole = out[0].norm().clamp_min(1e-30)
+    w_rows = out[0].pow(2).sum(1)  # (S,) each row's squared gradient norm
     drop = out[1:]
-    raw = drop.reshape(m, -1).norm(dim=1) / whole
+    raw = _bound(drop.pow(2).sum(2), w_rows, confidence)
 
     def fit(rows):  # least squares: argmin_u sum_i ||drop_i - a_i u||^2
         a = mass[:, rows]
@@ -165,17 +172,30 @@ def filter_fit(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
 
     idx = torch.arange(S, device=e_rows.device)
     even, odd = idx[0::2], idx[1::2]
-    left = torch.zeros(m, dtype=torch.float32, device=e_rows.device)
+    left = torch.zeros((m, S), dtype=torch.float32, device=e_rows.device)
     for mine, other in ((even, odd), (odd, even)):
         u = fit(other)
-        left += (drop[:, mine] - mass[:, mine, None] * u[:, None, :]).pow(2).sum((1, 2))
-    return raw, left.sqrt() / whole, fit(idx)
+        left[:, mine] = (drop[:, mine] - mass[:, mine, None] * u[:, None, :]).pow(2).sum(2)
+    return raw, _bound(left, w_rows, confidence), fit(idx)
+
+
+def _bound(a_rows: torch.Tensor, w_rows: torch.Tensor, z: float) -> torch.Tensor:
+    """(m,) ``sqrt(Σ_i a[k, i] / Σ_i w[i])``, raised by ``z`` standard errors of the ratio inside (see
+    :func:`filter_fit`)."""
+    W = w_rows.sum().clamp_min(1e-30)
+    r = a_rows.sum(1) / W
+    if z > 0 and a_rows.shape[1] > 1:
+        S = a_rows.shape[1]
+        spread = (a_rows - r[:, None] * w_rows[None, :]).pow(2).sum(1)
+        r = r + z * (spread * S / (S - 1)).sqrt() / W
+    return r.sqrt()
 
 
 def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
           softcap, tmap, block_b: int, block_v: int, candidates, *, sample: int, max_bytes: int,
           coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None, correctable: bool = False,
-          admissible=None, max_error: float = MAX_ERROR, group: int = GROUP) -> tuple:
+          admissible=None, max_error: float = MAX_ERROR, group: int = GROUP,
+          confidence: float = CONFIDENCE) -> tuple:
     """``(index, measured, direction)``: the position in ``candidates`` (filters, largest first) of the
     first whose measured dE error on this call stays within ``max_error``, or None (none does: run
     exact), for a backward that launches from the forward's tile map ``tmap``; ``measured``: the
@@ -188,6 +208,9 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
     ``admissible(filter_eps) -> bool``: whether a candidate may run at all (the planner's
     dropped-mass guard); one that may not is not measured and does not pass, so that the filter that
     runs drops what the check measured (and the direction was fitted to).
+
+    A candidate's error is the upper bound of :func:`filter_fit` at ``confidence`` standard errors:
+    what the whole call may drop, not what the sampled rows drop.
 
     ``e`` (any shape, rows of D), ``rows`` (n,): the row of e of each position; ``targets``,
     ``lse`` (n,): every position's (the LSE infinite where ignored); ``coef_s``, ``coef_t`` (n,):
@@ -206,7 +229,7 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
     def errors(eps_list):  # [(error, direction or None)] per candidate
         dead = map_dead(tmap, lse, idx, eps_list, V, block_b, block_v)
         width = chunk_columns(e_rows.shape[0], len(eps_list), V, max_bytes)
-        raw, corr, dirs = filter_fit(e_rows, c, bias, t_s, lse_s, softcap, tile, dead, cs, ct, width)
+        raw, corr, dirs = filter_fit(e_rows, c, bias, t_s, lse_s, softcap, tile, dead, cs, ct, width, confidence)
         out = []
         for k, (x, y) in enumerate(zip(raw.tolist(), corr.tolist())):
             fix = correctable and y < x
