@@ -14,7 +14,8 @@
   without a tile map: every tile is computed (no filtering). Forward and backward are two custom
   operators (values are read only inside them), so a call compiles with ``fullgraph=True``.
 - e a DTensor: ``Replicate()`` is taken as is; rows sharded on a 1-D mesh (``Shard(0)``, sequence or
-  batch parallel) are gathered first (``redistribute``; DTensor reduce-scatters their gradient).
+  batch parallel) are gathered first (``redistribute``). On the classifier's mesh, their dE goes back as
+  each rank's part (``Partial()``): DTensor's reduce_scatter sums it, and the loss makes no all_reduce.
   targets and token weights may be DTensors placed the same way.
 - Anything else: a ``ValueError`` naming the argument and its placement.
 
@@ -61,18 +62,21 @@ def _describe(t) -> str:
     return f"{tuple(t.placements)} on a {t.device_mesh.ndim}-D mesh"
 
 
-def _full(name: str, t, differentiable: bool):
+def _full(name: str, t, differentiable: bool, partial_grad: bool = False):
     """A DTensor argument as a local tensor holding all of it: replicated, or rows sharded on a 1-D
-    mesh (gathered); a plain tensor as is."""
+    mesh (gathered); a plain tensor as is. ``partial_grad``: the local tensor's gradient is each
+    rank's part of a sum (``Partial()``, for a tensor on a 1-D mesh), which DTensor sums as the
+    argument is placed (sharded rows: a reduce_scatter)."""
     if not has_dtensor(t):
         return t
-    from torch.distributed.tensor import Replicate, Shard  # (lazy: only where DTensors are used)
+    from torch.distributed.tensor import Partial, Replicate, Shard  # (lazy: only where DTensors are used)
 
+    grad = [Partial()] if partial_grad else None
     if all(isinstance(p, Replicate) for p in t.placements):
-        return t.to_local()
+        return t.to_local(grad_placements=grad)
     if t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) and t.placements[0].dim == 0:
         full = t.redistribute(t.device_mesh, [Replicate()])
-        return full.to_local() if differentiable else full.to_local().detach()
+        return full.to_local(grad_placements=grad) if differentiable else full.to_local().detach()
     raise ValueError(f"{name}: a DTensor placed {_describe(t)}; linear_cross_entropy takes it replicated or with its "
                      "rows sharded (Shard(0)) on a 1-D mesh")
 
@@ -83,27 +87,32 @@ def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dic
     the ordinary function, called on local tensors; ``encoded``: the checked options, encoded."""
     from torch.distributed.tensor import Replicate, Shard  # (lazy: only where DTensors are used)
 
-    e = _full("e", e, differentiable=True)
     targets = _full("targets", targets, differentiable=False)
     token_weights = _full("token_weights", token_weights, differentiable=False)
     if not has_dtensor(c):
         if has_dtensor(bias):
             raise ValueError(f"bias: a DTensor ({_describe(bias)}) with a classifier that is not one")
-        return plain(e, c, targets, bias, token_weights=token_weights, **options)
+        return plain(_full("e", e, differentiable=True), c, targets, bias, token_weights=token_weights, **options)
     if bias is not None and not (has_dtensor(bias) and bias.device_mesh == c.device_mesh
                                  and tuple(bias.placements) == tuple(c.placements)):
         raise ValueError(f"bias: must be a DTensor placed as the classifier ({_describe(c)}), got "
                          + (_describe(bias) if has_dtensor(bias) else "a plain tensor"))
     if all(isinstance(p, Replicate) for p in c.placements):
-        return plain(e, c.to_local(), targets, bias.to_local() if bias is not None else None,
-                     token_weights=token_weights, **options)
+        return plain(_full("e", e, differentiable=True), c.to_local(), targets,
+                     bias.to_local() if bias is not None else None, token_weights=token_weights, **options)
     if not (c.device_mesh.ndim == 1 and isinstance(c.placements[0], Shard) and c.placements[0].dim == 0):
         raise ValueError(f"c: a DTensor placed {_describe(c)}; linear_cross_entropy takes a classifier sharded over "
                          "the vocabulary (Shard(0)) on a 1-D mesh, or replicated")
-    return _vocab_parallel(e, c, targets, bias, token_weights, options, encoded)
+    # dE of the shard is its columns' part of a sum over the mesh: summed by the backward's all_reduce,
+    # or, where e's rows are sharded over the same mesh (sequence parallel), by DTensor as it hands each
+    # rank its rows' gradient: a reduce_scatter, half an all_reduce's traffic.
+    rows_sharded = has_dtensor(e) and e.device_mesh == c.device_mesh and not all(
+        isinstance(p, Replicate) for p in e.placements)
+    e = _full("e", e, differentiable=True, partial_grad=rows_sharded)
+    return _vocab_parallel(e, c, targets, bias, token_weights, options, encoded, reduce_de=not rows_sharded)
 
 
-def _vocab_parallel(e, c, targets, bias, token_weights, options: dict, encoded: str):
+def _vocab_parallel(e, c, targets, bias, token_weights, options: dict, encoded: str, reduce_de: bool):
     """The loss of a ``Shard(0)`` classifier (its shapes read here, traceable; the rest in the
     operators)."""
     mesh = c.device_mesh
@@ -121,7 +130,7 @@ def _vocab_parallel(e, c, targets, bias, token_weights, options: dict, encoded: 
     if token_weights is not None:
         token_weights = token_weights.detach()
     loss, lse = torch.ops.cce_autotune.vocab_parallel_forward(e, c_l, b_l, targets, token_weights, encoded, V, lo,
-                                                              mesh.get_group().group_name)
+                                                              mesh.get_group().group_name, reduce_de)
     if options.get("return_lse", False):
         return loss, lse.view(pred_shape(e.shape[:-1], options.get("shift", 0)))
     return loss
@@ -193,10 +202,11 @@ class _Shard:
 
 @torch.library.custom_op("cce_autotune::vocab_parallel_forward", mutates_args=())
 def vocab_parallel_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-                           token_weights: Optional[torch.Tensor], options: str, V: int, lo: int, group: str
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           token_weights: Optional[torch.Tensor], options: str, V: int, lo: int, group: str,
+                           reduce_de: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, per-position global LSE, 0 at ignored positions) of the classifier's shard ``c`` (and
-    ``bias``), whose vocabulary entries start at ``lo`` of ``V``, over the process group named ``group``."""
+    ``bias``), whose vocabulary entries start at ``lo`` of ``V``, over the process group named ``group``;
+    ``reduce_de``: the backward sums dE over the group (else each rank returns its part)."""
     import torch.distributed as dist  # (lazy: only where DTensors are used)
 
     sh = _Shard(e, c, bias, targets, token_weights, options, V, lo)
@@ -226,7 +236,7 @@ def vocab_parallel_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torc
 
 
 @vocab_parallel_forward.register_fake
-def _vocab_parallel_forward_fake(e, c, bias, targets, token_weights, options, V, lo, group):
+def _vocab_parallel_forward_fake(e, c, bias, targets, token_weights, options, V, lo, group, reduce_de):
     o = Options.decode(options)
     shape = pred_shape(e.shape[:-1], o.shift)
     loss = e.new_empty(shape if o.reduction == "none" else (), dtype=torch.float32)
@@ -237,9 +247,9 @@ def _vocab_parallel_forward_fake(e, c, bias, targets, token_weights, options, V,
 def vocab_parallel_backward(grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], e: torch.Tensor,
                             c: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                             token_weights: Optional[torch.Tensor], lse: torch.Tensor, options: str, V: int, lo: int,
-                            group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dE summed over the group, the shard's dC, its dbias or an empty tensor) of
-    :func:`vocab_parallel_forward`'s loss; ``lse``: its global LSE."""
+                            group: str, reduce_de: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dE summed over the group, or this rank's part of it without ``reduce_de``, the shard's dC, its
+    dbias or an empty tensor) of :func:`vocab_parallel_forward`'s loss; ``lse``: its global LSE."""
     import torch.distributed as dist  # (lazy: only where DTensors are used)
 
     sh = _Shard(e, c, bias, targets, token_weights, options, V, lo)
@@ -251,18 +261,20 @@ def vocab_parallel_backward(grad_loss: Optional[torch.Tensor], grad_lse: Optiona
                                                      sh.local_options)
     if coef_u is not None:  # the smoothing term, with the shard's column sum (dE's sums over the shards)
         de, dc, db = add_uniform_term(e, call, coef_u, c.sum(0, dtype=torch.float32), de, dc, db)
-    dist.all_reduce(de, group=_group(group))
+    if reduce_de:
+        dist.all_reduce(de, group=_group(group))
     return de, dc, db if db is not None else e.new_empty((0,))
 
 
 @vocab_parallel_backward.register_fake
-def _vocab_parallel_backward_fake(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse, options, V, lo, group):
+def _vocab_parallel_backward_fake(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse, options, V, lo, group,
+                                  reduce_de):
     return torch.empty_like(e), torch.empty_like(c), torch.empty_like(bias) if bias is not None else e.new_empty((0,))
 
 
 def _setup_context(ctx, inputs, output):
-    e, c, bias, targets, token_weights, options, V, lo, group = inputs
-    ctx.args = (options, V, lo, group)
+    e, c, bias, targets, token_weights, options, V, lo, group, reduce_de = inputs
+    ctx.args = (options, V, lo, group, reduce_de)
     ctx.has_bias, ctx.has_weights = bias is not None, token_weights is not None
     _, lse = output
     ctx.save_for_backward(e, c, bias if bias is not None else lse, targets,
@@ -273,7 +285,7 @@ def _autograd_backward(ctx, grad_loss, grad_lse):
     e, c, bias, targets, token_weights, lse = ctx.saved_tensors
     de, dc, db = vocab_parallel_backward(grad_loss, grad_lse, e, c, bias if ctx.has_bias else None, targets,
                                          token_weights if ctx.has_weights else None, lse, *ctx.args)
-    return de, dc, db if ctx.has_bias else None, None, None, None, None, None, None
+    return de, dc, db if ctx.has_bias else None, None, None, None, None, None, None, None
 
 
 vocab_parallel_forward.register_autograd(_autograd_backward, setup_context=_setup_context)

@@ -75,7 +75,21 @@ def _check(mesh, case):
     b_d = distribute_tensor(bias.clone(), mesh, placement).requires_grad_() if bias is not None else None
     e_d = distribute_tensor(e.clone(), mesh, [Shard(0)]).requires_grad_() if case.get("e_sharded") else \
         e.clone().requires_grad_()
-    loss, lse = _run(e_d, c_d, b_d, t, w, options)
+    import torch.distributed as dist
+
+    reduces = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (reduces.append(1), all_reduce(*a, **k))[1]
+    try:
+        loss, lse = _run(e_d, c_d, b_d, t, w, options)
+    finally:
+        dist.all_reduce = all_reduce
+    if placement != [Replicate()]:
+        # dE is summed over the mesh by the backward's all_reduce, or, with e's rows sharded over the
+        # mesh, by DTensor's reduce_scatter as it hands each rank its rows' gradient (no all_reduce).
+        assert len(reduces) == (0 if case.get("e_sharded") else 1), reduces
+        if case.get("e_sharded"):
+            assert tuple(e_d.grad.placements) == (Shard(0),)
     close = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, want_loss, **close)
     if want_lse is not None:
