@@ -5,7 +5,9 @@
 #          ../shared/tools/device-wheels cut-cross-entropy==25.1.1 liger-kernel==0.8.5) on LM-like data,
 #          every mode of ours ($LM_SHAPES, $METHODS);
 #   mixed: the fp32 classifier under autocast on real hidden states ($MIXED_SHAPES);
-#   train: whole training steps, fp32 master weights under bf16 autocast ($TRAIN_SHAPES).
+#   train: whole training steps, fp32 master weights under bf16 autocast ($TRAIN_SHAPES);
+#   grid:  `cce-bench --grid` on $GRID_DATA (default lm,sampled) at $GRID_SHAPES (default: every head), every
+#          mode and the peers (the whole grid takes about 15 minutes on an H200: split it over two runs).
 # Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -38,5 +40,9 @@ for phase in ${PHASES:-tests lm mixed train}; do
       --shapes ${TRAIN_SHAPES:-gpt768,gpt4096} --methods "torch,cce_autotune,cce_autotune_exact,cce_autotune_cast,$PEERS" \
       --loop-steps ${LOOP_STEPS:-30} > "$OUT/bench_train.txt" 2>&1
     echo "== bench train rc $?"; grep -E "train_step" "$OUT/bench_train.txt" | head -20 ;;
+  grid)
+    timeout ${GRID_S:-540} python3 -m cce_autotune.bench --grid --out "$OUT" --tag ${GRID_TAG:-grid} --data ${GRID_DATA:-lm,sampled} \
+      ${GRID_SHAPES:+--shapes $GRID_SHAPES} --reps ${REPS:-20} > "$OUT/bench_grid.txt" 2>&1
+    echo "== bench grid rc $? (the CSV holds every head that finished)"; grep -E "fw\+bw" "$OUT/bench_grid.txt" | cut -c1-175 ;;
   esac
 done
