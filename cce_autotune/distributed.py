@@ -62,6 +62,19 @@ def _describe(t) -> str:
     return f"{tuple(t.placements)} on a {t.device_mesh.ndim}-D mesh"
 
 
+def _replicated(t) -> bool:
+    from torch.distributed.tensor import Replicate  # (lazy: only where DTensors are used)
+
+    return all(isinstance(p, Replicate) for p in t.placements)
+
+
+def _sharded_rows(t) -> bool:
+    """Whether DTensor ``t`` is sharded over its first dimension on a 1-D mesh."""
+    from torch.distributed.tensor import Shard  # (lazy: only where DTensors are used)
+
+    return t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) and t.placements[0].dim == 0
+
+
 def _full(name: str, t, differentiable: bool, partial_grad: bool = False):
     """A DTensor argument as a local tensor holding all of it: replicated, or rows sharded on a 1-D
     mesh (gathered); a plain tensor as is. ``partial_grad``: the local tensor's gradient is each
@@ -69,12 +82,12 @@ def _full(name: str, t, differentiable: bool, partial_grad: bool = False):
     argument is placed (sharded rows: a reduce_scatter)."""
     if not has_dtensor(t):
         return t
-    from torch.distributed.tensor import Partial, Replicate, Shard  # (lazy: only where DTensors are used)
+    from torch.distributed.tensor import Partial, Replicate  # (lazy: only where DTensors are used)
 
     grad = [Partial()] if partial_grad else None
-    if all(isinstance(p, Replicate) for p in t.placements):
+    if _replicated(t):
         return t.to_local(grad_placements=grad)
-    if t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) and t.placements[0].dim == 0:
+    if _sharded_rows(t):
         full = t.redistribute(t.device_mesh, [Replicate()])
         return full.to_local(grad_placements=grad) if differentiable else full.to_local().detach()
     raise ValueError(f"{name}: a DTensor placed {_describe(t)}; linear_cross_entropy takes it replicated or with its "
@@ -85,8 +98,6 @@ def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dic
     """``linear_cross_entropy`` with DTensor arguments (see the module docstring), whose kinds, shapes
     and dtypes it has checked on the whole tensors and whose e it has cast under autocast; ``plain`` is
     the ordinary function, called on local tensors; ``encoded``: the checked options, encoded."""
-    from torch.distributed.tensor import Replicate, Shard  # (lazy: only where DTensors are used)
-
     targets = _full("targets", targets, differentiable=False)
     token_weights = _full("token_weights", token_weights, differentiable=False)
     if not has_dtensor(c):
@@ -97,17 +108,16 @@ def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dic
                                  and tuple(bias.placements) == tuple(c.placements)):
         raise ValueError(f"bias: must be a DTensor placed as the classifier ({_describe(c)}), got "
                          + (_describe(bias) if has_dtensor(bias) else "a plain tensor"))
-    if all(isinstance(p, Replicate) for p in c.placements):
+    if _replicated(c):
         return plain(_full("e", e, differentiable=True), c.to_local(), targets,
                      bias.to_local() if bias is not None else None, token_weights=token_weights, **options)
-    if not (c.device_mesh.ndim == 1 and isinstance(c.placements[0], Shard) and c.placements[0].dim == 0):
+    if not _sharded_rows(c):
         raise ValueError(f"c: a DTensor placed {_describe(c)}; linear_cross_entropy takes a classifier sharded over "
                          "the vocabulary (Shard(0)) on a 1-D mesh, or replicated")
     # dE of the shard is its columns' part of a sum over the mesh: summed by the backward's all_reduce,
     # or, where e's rows are sharded over the same mesh (sequence parallel), by DTensor as it hands each
     # rank its rows' gradient: a reduce_scatter, half an all_reduce's traffic.
-    rows_sharded = has_dtensor(e) and e.device_mesh == c.device_mesh and not all(
-        isinstance(p, Replicate) for p in e.placements)
+    rows_sharded = has_dtensor(e) and e.device_mesh == c.device_mesh and _sharded_rows(e)
     e = _full("e", e, differentiable=True, partial_grad=rows_sharded)
     return _vocab_parallel(e, c, targets, bias, token_weights, options, encoded, reduce_de=not rows_sharded)
 
