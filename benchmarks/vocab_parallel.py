@@ -26,14 +26,16 @@ import torch.distributed as dist
 HEADS = {"llama3-70b": (16384, 128256, 8192, None), "gemma2": (16384, 256000, 2304, 30.0)}
 
 
-def timed(fn, reps):
+def timed(fn, reps, together=True):
+    """Median ms of ``fn`` after 3 warm-up calls; ``together``: every rank calls it, in step."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
+        if together:
+            dist.barrier()
         a.record()
         fn()
         b.record()
@@ -116,19 +118,8 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
                 l1 = step1()
                 p1 = (torch.cuda.max_memory_allocated() - base1) / 2**20
-                one[mode] = (float(l1), rel(got[1], ee1.grad), rel(got[2], cc1.grad), p1)
-                for _ in range(3):
-                    step1()
-                torch.cuda.synchronize()
-                ts = []
-                for _ in range(args.reps):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    step1()
-                    b.record()
-                    torch.cuda.synchronize()
-                    ts.append(a.elapsed_time(b))
-                one[mode] += (statistics.median(ts),)
+                one[mode] = (float(l1), rel(got[1], ee1.grad), rel(got[2], cc1.grad), p1,
+                             timed(step1, args.reps, together=False))
                 del ee1, cc1, step1
             torch.cuda.empty_cache()
         dist.barrier()
