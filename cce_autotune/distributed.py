@@ -10,8 +10,11 @@
   per row; each rank's backward then runs on its shard with the global LSE (the ordinary backward
   operator, which takes the LSE it is given); dE is summed over the mesh with one ``all_reduce``, dC
   and dbias stay on their shard (a DTensor with the classifier's placement). Shards follow
-  ``torch.chunk``'s layout, as ``distribute_tensor`` makes them. The backward of a shard plans
-  without a tile map: every tile is computed (no filtering). Forward and backward are two custom
+  ``torch.chunk``'s layout, as ``distribute_tensor`` makes them. Each shard's forward records its
+  tile map and its backward filters as one process does, except that the shards choose the filter
+  together: the accuracy check sums each sampled row's dE and dropped terms over the shards, so the
+  error it holds to the limit is the whole vocabulary's (the planner's ``shards``; a shard that cannot
+  filter, or pauses, makes every shard run exact). Forward and backward are two custom
   operators (values are read only inside them), so a call compiles with ``fullgraph=True``.
 - e a DTensor: ``Replicate()`` is taken as is; rows sharded on a 1-D mesh (``Shard(0)``, sequence or
   batch parallel) are gathered first (``redistribute``). On the classifier's mesh, their dE goes back as
@@ -139,8 +142,9 @@ def _vocab_parallel(e, c, targets, bias, token_weights, options: dict, encoded: 
         raise ValueError(f"c: rank {r} of {W} holds no rows of the {V}-row classifier; shard it over fewer ranks")
     if token_weights is not None:
         token_weights = token_weights.detach()
-    loss, lse = torch.ops.cce_autotune.vocab_parallel_forward(e, c_l, b_l, targets, token_weights, encoded, V, lo,
-                                                              mesh.get_group().group_name, reduce_de)
+    needs_grad = torch.is_grad_enabled() and (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad))
+    loss, lse, _ = torch.ops.cce_autotune.vocab_parallel_forward(e, c_l, b_l, targets, token_weights, encoded, V, lo,
+                                                                 mesh.get_group().group_name, reduce_de, needs_grad)
     if options.get("return_lse", False):
         return loss, lse.view(pred_shape(e.shape[:-1], options.get("shift", 0)))
     return loss
@@ -171,15 +175,37 @@ def _raise_on_checks(checks: list, V: int, ignore_index: int) -> None:
             raise ValueError(f"targets: value {int(value)} is outside [0, {V}) and is not ignore_index={ignore_index}")
 
 
-def _local_options(o: Options) -> str:
+def _local_options(o: Options) -> Options:
     """The shard's call: per-row losses and the LSE, no smoothing or z-loss (added on the global LSE)."""
-    return replace(o, reduction="none", return_lse=True, label_smoothing=0.0, z_loss=0.0).encode()
+    return replace(o, reduction="none", return_lse=True, label_smoothing=0.0, z_loss=0.0)
 
 
 def _group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group  # (the name -> group map)
 
     return _resolve_process_group(name)
+
+
+class _Shards:
+    """The vocabulary shards of one call, as the planner takes them
+    (:class:`~cce_autotune.planning.planner.Evidence`'s ``shards``): sums and minima over the
+    process group, on ``device``."""
+
+    def __init__(self, group, device):
+        self.group, self.device = group, device
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist  # (lazy: only where DTensors are used)
+
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def min_(self, values: list) -> list:
+        import torch.distributed as dist  # (lazy: only where DTensors are used)
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return t.tolist()  # (a host copy: the planner decides on the host)
 
 
 class _Shard:
@@ -213,16 +239,18 @@ class _Shard:
 @torch.library.custom_op("cce_autotune::vocab_parallel_forward", mutates_args=())
 def vocab_parallel_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                            token_weights: Optional[torch.Tensor], options: str, V: int, lo: int, group: str,
-                           reduce_de: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, per-position global LSE, 0 at ignored positions) of the classifier's shard ``c`` (and
-    ``bias``), whose vocabulary entries start at ``lo`` of ``V``, over the process group named ``group``;
-    ``reduce_de``: the backward sums dE over the group (else each rank returns its part)."""
+                           reduce_de: bool, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, per-position global LSE, 0 at ignored positions, handle) of the classifier's shard ``c``
+    (and ``bias``), whose vocabulary entries start at ``lo`` of ``V``, over the process group named
+    ``group``; ``reduce_de``: the backward sums dE over the group (else each rank returns its part).
+    The handle carries the shard's forward state to the backward (its tile map), as
+    ``lce_forward``'s does."""
     import torch.distributed as dist  # (lazy: only where DTensors are used)
 
     sh = _Shard(e, c, bias, targets, token_weights, options, V, lo)
     call, o = sh.call, sh.call.options
     D = e.shape[-1]
-    loss_l, lse_l, _ = torch.ops.cce_autotune.lce_forward(e, c, bias, sh.t_op, None, sh.local_options, False)
+    loss_l, lse_l, state = ops.run_forward(e, c, bias, sh.t_op, None, sh.local_options, needs_grad)
     parts = [lse_l, torch.where(sh.in_shard, lse_l - loss_l.reshape(-1), 0.0)]
     if o.label_smoothing:  # Σ_v z_v of each row over the shard: e_i · Σ_v c_v + Σ_v b_v
         zsum = sh.rows.reshape(-1, D).float() @ c.sum(0, dtype=torch.float32)
@@ -242,60 +270,70 @@ def vocab_parallel_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torc
     _raise_on_checks(everyone[:, -checks.numel():].tolist(), V, o.ignore_index)  # (one host copy)
     everyone = everyone[:, :-checks.numel()].reshape(W, len(parts), -1)
     zsum = everyone[:, 2].sum(0) if o.label_smoothing else None
-    return reduce_loss(call, torch.logsumexp(everyone[:, 0], dim=0), everyone[:, 1].sum(0), zsum)
+    loss, lse = reduce_loss(call, torch.logsumexp(everyone[:, 0], dim=0), everyone[:, 1].sum(0), zsum)
+    handle = torch.zeros((), dtype=torch.int64)
+    if needs_grad:
+        handle._cce_state = state
+    return loss, lse, handle
 
 
 @vocab_parallel_forward.register_fake
-def _vocab_parallel_forward_fake(e, c, bias, targets, token_weights, options, V, lo, group, reduce_de):
+def _vocab_parallel_forward_fake(e, c, bias, targets, token_weights, options, V, lo, group, reduce_de, needs_grad):
     o = Options.decode(options)
     shape = pred_shape(e.shape[:-1], o.shift)
     loss = e.new_empty(shape if o.reduction == "none" else (), dtype=torch.float32)
-    return loss, e.new_empty((math.prod(shape),), dtype=torch.float32)
+    return (loss, e.new_empty((math.prod(shape),), dtype=torch.float32),
+            torch.empty((), dtype=torch.int64, device="cpu"))
 
 
 @torch.library.custom_op("cce_autotune::vocab_parallel_backward", mutates_args=())
 def vocab_parallel_backward(grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], e: torch.Tensor,
                             c: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-                            token_weights: Optional[torch.Tensor], lse: torch.Tensor, options: str, V: int, lo: int,
-                            group: str, reduce_de: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            token_weights: Optional[torch.Tensor], lse: torch.Tensor, handle: torch.Tensor,
+                            options: str, V: int, lo: int, group: str, reduce_de: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE summed over the group, or this rank's part of it without ``reduce_de``, the shard's dC, its
-    dbias or an empty tensor) of :func:`vocab_parallel_forward`'s loss; ``lse``: its global LSE."""
+    dbias or an empty tensor) of :func:`vocab_parallel_forward`'s loss; ``lse``: its global LSE;
+    ``handle``: its handle. The shards choose their filter together (the planner's ``shards``)."""
     import torch.distributed as dist  # (lazy: only where DTensors are used)
 
     sh = _Shard(e, c, bias, targets, token_weights, options, V, lo)
     call = sh.call
     coef_s, coef_t, coef_u = call.coefficients(grad_loss, grad_lse, lse)
     coef_t = torch.where(sh.in_shard, coef_t, 0.0)  # (a target's onehot term on the shard that holds it)
-    handle = torch.zeros((), dtype=torch.int64)  # (no state: the shard's backward plans without a map)
-    de, dc, db = torch.ops.cce_autotune.lce_backward(coef_t, coef_s - coef_t, e, c, bias, sh.t_op, None, lse, handle,
-                                                     sh.local_options)
+    state = getattr(handle, "_cce_state", None)
+    if state is not None:
+        del handle._cce_state  # used once; a second backward plans without it
+    pg = _group(group)
+    de, dc, db = ops.run_backward(coef_t, coef_s - coef_t, e, c, bias, sh.t_op, None, lse, state,
+                                  sh.local_options, shards=_Shards(pg, e.device))
     if coef_u is not None:  # the smoothing term, with the shard's column sum (dE's sums over the shards)
         de, dc, db = add_uniform_term(e, call, coef_u, c.sum(0, dtype=torch.float32), de, dc, db)
     if reduce_de:
-        dist.all_reduce(de, group=_group(group))
+        dist.all_reduce(de, group=pg)
     return de, dc, db if db is not None else e.new_empty((0,))
 
 
 @vocab_parallel_backward.register_fake
-def _vocab_parallel_backward_fake(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse, options, V, lo, group,
-                                  reduce_de):
+def _vocab_parallel_backward_fake(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse, handle, options, V, lo,
+                                  group, reduce_de):
     return torch.empty_like(e), torch.empty_like(c), torch.empty_like(bias) if bias is not None else e.new_empty((0,))
 
 
 def _setup_context(ctx, inputs, output):
-    e, c, bias, targets, token_weights, options, V, lo, group, reduce_de = inputs
+    e, c, bias, targets, token_weights, options, V, lo, group, reduce_de, needs_grad = inputs
     ctx.args = (options, V, lo, group, reduce_de)
     ctx.has_bias, ctx.has_weights = bias is not None, token_weights is not None
-    _, lse = output
+    _, lse, handle = output
     ctx.save_for_backward(e, c, bias if bias is not None else lse, targets,
-                          token_weights if token_weights is not None else lse, lse)
+                          token_weights if token_weights is not None else lse, lse, handle)
 
 
-def _autograd_backward(ctx, grad_loss, grad_lse):
-    e, c, bias, targets, token_weights, lse = ctx.saved_tensors
+def _autograd_backward(ctx, grad_loss, grad_lse, grad_handle):
+    e, c, bias, targets, token_weights, lse, handle = ctx.saved_tensors
     de, dc, db = vocab_parallel_backward(grad_loss, grad_lse, e, c, bias if ctx.has_bias else None, targets,
-                                         token_weights if ctx.has_weights else None, lse, *ctx.args)
-    return de, dc, db if ctx.has_bias else None, None, None, None, None, None, None, None
+                                         token_weights if ctx.has_weights else None, lse, handle, *ctx.args)
+    return de, dc, db if ctx.has_bias else None, None, None, None, None, None, None, None, None
 
 
 vocab_parallel_forward.register_autograd(_autograd_backward, setup_context=_setup_context)

@@ -2,6 +2,7 @@
 classifier sharded over the vocabulary (Shard(0): the vocabulary-parallel loss) or replicated, hidden
 states with their rows sharded, against one process on the whole classifier (fp32, 1e-5)."""
 
+import datetime
 import os
 import tempfile
 import traceback
@@ -77,9 +78,9 @@ def _check(mesh, case):
         e.clone().requires_grad_()
     import torch.distributed as dist
 
-    reduces = []
+    reduces = []  # (dE's: the shards' agreement on their filter reduces a few numbers too)
     all_reduce = dist.all_reduce
-    dist.all_reduce = lambda *a, **k: (reduces.append(1), all_reduce(*a, **k))[1]
+    dist.all_reduce = lambda t, *a, **k: (reduces.extend([1] if t.shape == e.shape else []), all_reduce(t, *a, **k))[1]
     try:
         loss, lse = _run(e_d, c_d, b_d, t, w, options)
     finally:
@@ -161,6 +162,62 @@ def _check_errors(mesh):
     refused(e, c_d, bad, starts="", holds=f"targets: value {V + 3} is outside [0, {V})")
 
 
+def _check_filtered(mesh):
+    # The shards' forwards record their tile maps and their backwards filter together: the accuracy
+    # check sums each sampled row's dE and dropped terms over the shards, so every shard measures,
+    # and chooses from, the whole call's error. All 64 rows are sampled here and the bound is taken
+    # without its confidence margin, so the measured error is the error of the gradient that runs.
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from cce_autotune import linear_cross_entropy
+    from cce_autotune.configdb import dispatch
+    from cce_autotune.planning import accuracy, costs, explain, filters
+    from helpers import make_inputs, rel_err
+    from test_planner import MAPPED
+
+    costs.BUILTIN["h200"] = {**costs.BUILTIN["h200"], "map_ms": 0.0, "chunk_ms": 0.0, "gather_chunk_ms": 0.0,
+                             "pause_share": float("inf"), "max_dropped": float("inf")}
+    dispatch.costs_for = lambda gpu: costs.builtin(gpu)  # (no fixed costs: at this size they would pause)
+    accuracy.check = functools.partial(accuracy.check, confidence=0.0)
+    filters.MAX_ERROR = 0.5  # the first candidate passes, with an error worth measuring
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-4, strategy="chunked"))
+    e64, c64 = e.double().requires_grad_(), c.double().requires_grad_()
+    torch.nn.functional.cross_entropy(e64 @ c64.T, t).backward()
+    c_d = distribute_tensor(c.clone(), mesh, [Shard(0)]).requires_grad_()
+    with explain.recording() as made:
+        for _ in range(2):  # the first call leaves the vocabulary's order, the second walks it and filters
+            e_d = e.clone().requires_grad_()
+            c_d.grad = None
+            linear_cross_entropy(e_d, c_d, t, impl="triton", variants=kv, deterministic=True).backward()
+    call = made[-1].call
+    assert call.backward.use_map and call.run_eps is not None, call.backward.describe()
+    err = rel_err(e_d.grad.double(), e64.grad)
+    mine = [call.run_eps, err, call.checked]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    assert len({x[0] for x in everyone}) == 1, everyone  # the same filter on every shard
+    assert err > 1e-4, err  # the filter dropped something
+    measured = [m for m in call.checked if m[0] == call.run_eps]
+    assert measured, call.checked
+    assert abs(measured[0][1] - err) <= 0.02 * err, (measured, err)  # the check measured the whole call
+    # A shard that cannot filter (here rank 1's, paused: its forward maps nothing) makes every shard
+    # run exact, rather than leave the others waiting in a check it does not join.
+    from cce_autotune import memory
+
+    if dist.get_rank() == 1:
+        memory.pause(c_d.to_local(), 1)
+    with explain.recording() as made:
+        linear_cross_entropy(e.clone().requires_grad_(), c_d, t, impl="triton", variants=kv, deterministic=True).backward()
+    call = made[-1].call
+    assert call.run_eps is None and not call.checked, call.backward.describe()
+    if dist.get_rank() == 0:
+        assert "another vocabulary shard of the call has no tile map" in call.backward.reason
+
+
 def _worker(rank, world, init_file, out_dir, jobs, interpret):
     """Run each ``(label, check, args)`` of ``jobs`` as ``check(mesh, *args)`` on a 1-D mesh of all the
     ranks; what fails is written to ``out_dir`` for the test (a rank's failures, with their labels)."""
@@ -169,7 +226,9 @@ def _worker(rank, world, init_file, out_dir, jobs, interpret):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # (a rank left waiting in a collective fails the test within minutes, not gloo's default half hour)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=240))
     failures = []
     try:
         mesh = init_device_mesh("cpu", (world,))
@@ -214,6 +273,10 @@ def test_four_ranks_with_uneven_shards():
 
 def test_the_kernels_run_each_shard_through_the_interpreter():
     _spawn(2, _cases(KERNEL_CASES, errors=False), interpret=True)
+
+
+def test_the_shards_filter_together_on_the_whole_vocabularys_error():
+    _spawn(2, [("filtered", _check_filtered, ())], interpret=True)
 
 
 # -- FSDP2 and the Hugging Face patch ------------------------------------------------------------

@@ -120,7 +120,7 @@ def filter_errors(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | No
 def filter_fit(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                lse: torch.Tensor, softcap: float | None, col_tile: torch.Tensor, dead: torch.Tensor,
                coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None,
-               chunk_v: int = 8192, confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               chunk_v: int = 8192, confidence: float = 0.0, shards=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(raw, corrected, direction)`` for the arguments of :func:`filter_errors`: ``raw`` (m,) its
     errors; ``corrected`` (m,) the errors left when the dropped terms of row i are replaced by
     ``a_i * direction``, ``a_i = coef_s[i] * (row i's softmax mass in the dead tiles)`` (what the
@@ -134,6 +134,12 @@ def filter_fit(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
     error, ``sqrt(S / (S - 1) · Σ (a_i - r w_i)^2) / Σ w_i``. Where a few rows hold most of what a
     filter drops, as on LM-like data near a filter's edge, that error is large and a sample of a few
     hundred rows can miss those rows.
+
+    ``shards``: ``c`` (and ``bias``, ``targets``' numbering, the tiles) is one vocabulary shard of a
+    call's classifier (see :class:`~cce_autotune.planning.planner.Evidence`): each row's dE and
+    dropped terms, and its dropped mass, are summed over the shards before the errors are taken, so
+    every shard measures the whole vocabulary's error (a target's onehot term only on the shard that
+    holds it: ``coef_t`` 0 elsewhere).
 
     Why one direction: a trained classifier's rarely used rows move together (every step pushes
     them along the mean hidden state), so the terms that a filter drops, ``sum_j p_ij C_j`` over
@@ -161,6 +167,9 @@ def filter_fit(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
         stack = torch.cat([g[None], torch.where(d, p[None], 0.0)]).view((m + 1) * S, v1 - v0)
         out += _mm32(stack.to(e_rows.dtype), c[v0:v1])
         del p, g, d, stack
+    if shards is not None:
+        shards.sum_(out)
+        shards.sum_(mass)
     out = out.view(m + 1, S, D)
     w_rows = out[0].pow(2).sum(1)  # (S,) each row's squared gradient norm
     drop = out[1:]
@@ -195,7 +204,7 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
           softcap, tmap, block_b: int, block_v: int, candidates, *, sample: int, max_bytes: int,
           coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None, correctable: bool = False,
           admissible=None, max_error: float = MAX_ERROR, group: int = GROUP,
-          confidence: float = CONFIDENCE) -> tuple:
+          confidence: float = CONFIDENCE, shards=None) -> tuple:
     """``(index, measured, direction)``: the position in ``candidates`` (filters, largest first) of the
     first whose measured dE error on this call stays within ``max_error``, or None (none does: run
     exact), for a backward that launches from the forward's tile map ``tmap``; ``measured``: the
@@ -215,7 +224,9 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
     ``e`` (any shape, rows of D), ``rows`` (n,): the row of e of each position; ``targets``,
     ``lse`` (n,): every position's (the LSE infinite where ignored); ``coef_s``, ``coef_t`` (n,):
     the gradient's coefficients (see :func:`filter_errors`); ``sample``: rows measured (spread over
-    the call); ``max_bytes``: the check's transient memory."""
+    the call); ``max_bytes``: the check's transient memory. ``shards``: the call is one vocabulary
+    shard of a larger one (see :func:`filter_fit`); the shards measure the same candidates, a
+    candidate being admissible only where every shard admits it, so they choose alike."""
     cands = list(candidates)
     measured = []
     n, V = rows.shape[0], c.shape[0]
@@ -229,7 +240,7 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
     def errors(eps_list):  # [(error, direction or None)] per candidate
         dead = map_dead(tmap, lse, idx, eps_list, V, block_b, block_v)
         width = chunk_columns(e_rows.shape[0], len(eps_list), V, max_bytes)
-        raw, corr, dirs = filter_fit(e_rows, c, bias, t_s, lse_s, softcap, tile, dead, cs, ct, width, confidence)
+        raw, corr, dirs = filter_fit(e_rows, c, bias, t_s, lse_s, softcap, tile, dead, cs, ct, width, confidence, shards)
         out = []
         for k, (x, y) in enumerate(zip(raw.tolist(), corr.tolist())):
             fix = correctable and y < x
@@ -243,7 +254,10 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
         if not part:
             break
         res = [(math.inf, None)] * len(part)  # a candidate the guard would lower does not pass
-        allowed = [i for i, x in enumerate(part) if admissible is None or admissible(x)]
+        ok = [admissible is None or admissible(x) for x in part]
+        if shards is not None:
+            ok = [x > 0 for x in shards.min_([1.0 if y else 0.0 for y in ok])]
+        allowed = [i for i, y in enumerate(ok) if y]
         for i, r in zip(allowed, errors([part[i] for i in allowed]) if allowed else ()):
             res[i] = r
         passed = [i for i, (x, _) in enumerate(res) if x <= max_error]

@@ -211,7 +211,15 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: b
 class Evidence:
     """What the backward knows when it plans: the inputs, the rows taking part and their targets, the
     LSE (infinite where a row has no gradient), the forward's tile map (None: the forward walked no
-    order), and the gradient's coefficients (``coef_s`` of the softmax, ``coef_t`` of the onehot)."""
+    order), and the gradient's coefficients (``coef_s`` of the softmax, ``coef_t`` of the onehot).
+
+    ``shards``: None in one process; for one vocabulary shard of a call whose classifier is split over
+    processes (the vocabulary-parallel loss, :mod:`cce_autotune.distributed`), what the shards do
+    together: ``sum_(t)`` sums tensor ``t`` over the shards in place, ``min_(values)`` returns the
+    element-wise minimum of a list of floats over the shards. Every shard then makes the same
+    decisions about its filter, from the same numbers: whether to filter at all, the accuracy check
+    over the whole vocabulary (each shard's dropped terms and its part of dE summed before the error
+    is taken), a remembered verdict's reuse, and the pause."""
 
     e: Any
     c: Any
@@ -223,6 +231,14 @@ class Evidence:
     tile_map: Any
     coef_s: Any
     coef_t: Any
+    shards: Any = None
+
+
+def _agreed(shards, flags: list) -> list:
+    """``flags`` (bools) held by every shard (one process: as they are)."""
+    if shards is None:
+        return list(flags)
+    return [x > 0 for x in shards.min_([1.0 if f else 0.0 for f in flags])]
 
 
 def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused_allowed: bool,
@@ -236,7 +252,14 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
     eps = plan.filter_eps
     measured = direction = None
     checked: tuple = ()
-    if tmap is not None and eps is not None:
+    can_check = tmap is not None and eps is not None
+    if ev.shards is not None:  # the shards filter together or not at all, from the smallest filter of any
+        least = ev.shards.min_([1.0 if can_check else 0.0, eps or 0.0])
+        if can_check and least[0] < 1:
+            measured = "another vocabulary shard of the call has no tile map: exact"
+        can_check = least[0] > 0
+        eps = least[1] if can_check else None
+    if can_check:
         correctable = (bw.strategy == "auto" or strategies.get(bw.strategy).takes_correction) \
             and not plan.deterministic
         eps, checked, direction = check_filter(
@@ -259,7 +282,9 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
     chosen, live, blocks, pause, reported = decide(p, bw, eps, tmap, ev.lse, budget=budget, costs=costs,
                                                    fused_allowed=fused_allowed, deterministic=plan.deterministic,
                                                    why=measured, correction=direction is not None)
-    measured_exact = tmap is not None and plan.filter_eps is not None and eps is None  # the check's verdict: exact
+    measured_exact = can_check and eps is None  # the check's verdict: exact
+    if can_check:  # (a shard that pauses runs exact: so does every shard)
+        pause = not _agreed(ev.shards, [not pause])[0]
     if measured_exact:
         pause = True  # the forward stops walking and mapping until the next check
     pause_calls = 0
@@ -314,20 +339,26 @@ def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, co
     (:func:`fingerprint`): the same classifier, moved little, and rows and targets alike. So another
     classifier at the same storage, one loaded in place, or another loss's rows on the same classifier
     are measured afresh; up to :data:`cce_autotune.memory.MAX_VERDICTS` verdicts are kept per
-    classifier."""
+    classifier. The shards of a vocabulary-parallel call (``ev.shards``) reuse a verdict only when
+    every shard finds the same one, and measure together (see :func:`~.accuracy.check`)."""
     if not filters.MAX_ERROR < float("inf"):
         return filter_eps, (), None
     cands = filters.ladder(filter_eps, filters.CHECK_RUNGS if rungs is None else rungs)
     stored = [v for v in memory.verdicts(ev.c, filter_eps, correctable) if v.choice < len(cands)]
     now = fingerprint(ev, costs.check_rows) if stored else None
-    for v in stored:
-        if _alike(v.fingerprint, now):
-            memory.use_verdict(ev.c, v)
-            return cands[v.choice], (), v.direction
+    reuse = next((v for v in stored if _alike(v.fingerprint, now)), None)
+    if ev.shards is not None:  # every shard reuses the same choice, or all measure afresh
+        k = reuse.choice if reuse is not None else -1.0
+        low, neg_high = ev.shards.min_([k, -k])
+        reuse = reuse if low == -neg_high >= 0 else None
+    if reuse is not None:
+        memory.use_verdict(ev.c, reuse)
+        return cands[reuse.choice], (), reuse.direction
     index, measured, direction = accuracy.check(
         ev.e, ev.c, ev.bias, ev.rows, ev.targets, ev.lse, ev.softcap, ev.tile_map, block_b, block_v, cands,
         sample=costs.check_rows, max_bytes=costs.check_bytes, coef_s=ev.coef_s, coef_t=ev.coef_t,
-        correctable=correctable, admissible=admissible, max_error=filters.MAX_ERROR, group=filters.GROUP)
+        correctable=correctable, admissible=admissible, max_error=filters.MAX_ERROR, group=filters.GROUP,
+        shards=ev.shards)
     if index is None:  # (an exact verdict is not remembered: the classifier pauses instead)
         return None, measured, None
     memory.remember_verdict(ev.c, memory.Verdict(filter_eps, index, costs.check_every, direction,

@@ -31,7 +31,7 @@ from ..variant import KernelVariants, VariantError
 from . import execute
 from .call import pred_shape, prepare, raise_landed_checks
 
-__all__ = ["lce_forward", "lce_backward", "start", "no_double_backward"]
+__all__ = ["lce_forward", "lce_backward", "start", "run_forward", "run_backward", "no_double_backward"]
 
 
 def _variants(o: Options, e, c, bias, impl: str) -> tuple:
@@ -79,7 +79,7 @@ def _forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool):
     return execute.forward(plan, call, e, c, bias)
 
 
-def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, state, o: Options):
+def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, state, o: Options, shards=None):
     if state is not None and state.fused is not None:
         return execute.scale_fused(state, grad_loss, e)
     call, plan = start(e, c, targets, bias, token_weights, o)
@@ -94,12 +94,29 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         plan = state.plan  # (what the forward found: the order it walked, its map)
     tmap = state.tile_map if state is not None else None
     ev = planner.Evidence(e=e, c=c, bias=bias, rows=call.rows, targets=call.targets, lse=lse_v, softcap=call.softcap,
-                          tile_map=tmap, coef_s=coef_s, coef_t=coef_t)
+                          tile_map=tmap, coef_s=coef_s, coef_t=coef_t, shards=shards)
     plan = planner.plan_gradients(plan, call.problem(e, c, bias, tmap), plan.costs, ev,
                                   fused_allowed=planner.fused_allowed(o, plan, c.dtype != e.dtype),
                                   max_extra_memory=o.max_extra_memory)
     return execute.backward(plan, call, e, c, bias, lse_v, coef_s, coef_t, coef_u, tmap,
                             csum=state.csum if state is not None else None)
+
+
+def run_forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool) -> tuple:
+    """``(loss, lse, state)``: the forward of one call, as :func:`lce_forward` runs it, with the state
+    its backward takes (None without ``needs_grad``); for an operator that runs the loss on part of a
+    call (the vocabulary-parallel loss's shard)."""
+    with _NoAutocast(e.device):
+        return _forward(e, c, bias, targets, token_weights, o, needs_grad)
+
+
+def run_backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse, state, o: Options, shards=None):
+    """``(dE, dC, dbias or None)``: the backward of one call, as :func:`lce_backward` runs it, from
+    :func:`run_forward`'s ``state``; ``shards``: the call is one vocabulary shard of a larger call
+    (:class:`~cce_autotune.planning.planner.Evidence`'s ``shards``), whose filter the shards choose
+    together."""
+    with _NoAutocast(e.device):
+        return _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse, state, o, shards)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,9 +145,7 @@ def lce_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor], 
                 token_weights: Optional[torch.Tensor], options: str, needs_grad: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, per-position LSE (n,) fp32 with 0 at ignored positions, handle)."""
-    o = Options.decode(options)
-    with _NoAutocast(e.device):
-        loss, lse, state = _forward(e, c, bias, targets, token_weights, o, needs_grad)
+    loss, lse, state = run_forward(e, c, bias, targets, token_weights, Options.decode(options), needs_grad)
     handle = torch.zeros((), dtype=torch.int64)
     if needs_grad:
         handle._cce_state = state
@@ -156,8 +171,7 @@ def lce_backward(grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Ten
     state = getattr(handle, "_cce_state", None)
     if state is not None:
         del handle._cce_state  # used once; a second backward recomputes what it needs
-    with _NoAutocast(e.device):
-        de, dc, dbias = _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse, state, o)
+    de, dc, dbias = run_backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse, state, o)
     if dbias is None:
         dbias = e.new_empty((0,))
     return de, dc, dbias
