@@ -241,6 +241,29 @@ def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
     assert plan_fused(p, v.replace(strategy="fused"), paused=False, allowed=True) is not None
 
 
+def test_a_backward_that_filters_nothing_is_planned_in_the_natural_order(device):
+    # Paused, it walks the vocabulary's natural order: it must be planned (and its memory counted) as
+    # that exact backward is, not with the sorted order's gathered chunks of C, which at a budget that
+    # just holds the exact plan pushed it to row groups at 2.5x its cost (the real-data GPT heads).
+    from cce_autotune.tile_map import TileMap
+
+    model = costs.CostModel(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0)
+    n, V, D = 4096, 8192, 256
+    v = BackwardVariant(block_b=64, block_v=128, block_d=64)
+    p = Problem(n=n, n_all=n, V=V, D=D, elem=2, grad_bytes=2 * (n + V) * D, sorted_vocab=True, map_bytes=n * V // 256)
+    natural = replace(p, sorted_vocab=False, map_bytes=0)
+    want = planner.plan_backward(natural, v, has_map=False, budget=None, costs=model, exact=True)
+    budget = want.extra_bytes  # the exact plan just fits in the natural order
+    assert planner.plan_backward(p, v, has_map=False, budget=budget, costs=model, exact=True).cost > want.cost
+    perm = torch.arange(V, dtype=torch.int32, device=device)
+    flat = TileMap(q=torch.full((V // 256, n), 127, dtype=torch.int8, device=device), block_v=256, perm=perm,
+                   zt=torch.zeros(n, device=device))
+    for eps in (2.0**-12, None):  # paused (every tile live), and exact
+        plan = planner.decide(p, v, eps, flat, torch.ones(n, device=device), budget=budget, costs=model)[0]
+        assert not plan.use_map and (plan.strategy, plan.chunk_v, plan.row_group, plan.cost) == \
+            (want.strategy, want.chunk_v, want.row_group, want.cost), plan.describe()
+
+
 def test_pause_when_filtering_cannot_pay(device):
     # A map that leaves every tile live: the mapped plans cost as much as computing everything, so
     # the classifier's next calls neither walk nor sort; a peaked map does not pause. (Without the

@@ -458,14 +458,18 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
             at += g.numel()
             block_lists[name] = flags
             block_shares[name] = sum(flags) / max(1, len(flags))
+    # A backward that filters nothing walks the natural order (no sorted chunks of C to gather): it is
+    # planned, and its memory counted, as such.
+    natural = replace(p, sorted_vocab=False)
     if lossy is not None:  # even the smallest filter drops too much of this call's gradient: exact
-        plan = plan_backward(p, variant, has_map=False, budget=budget, costs=costs, exact=True,
+        plan = plan_backward(natural, variant, has_map=False, budget=budget, costs=costs, exact=True,
                              deterministic=deterministic)
         plan = replace(plan, reason=f"filtering would drop {lossy:.1e} of the gradient's mass even at filter_eps "
                                     f"{eps:.2g} (at most {costs.max_dropped:g}): exact; " + plan.reason)
         return plan, None, None, True, ""
-    plan = plan_backward(p, variant, has_map=tile_map is not None, live=share, live_blocks=block_shares,
-                         budget=budget, costs=costs, exact=exact, deterministic=deterministic, correction=correction)
+    plan = plan_backward(natural if exact else p, variant, has_map=tile_map is not None, live=share,
+                         live_blocks=block_shares, budget=budget, costs=costs, exact=exact, deterministic=deterministic,
+                         correction=correction)
     if eps != filter_eps:
         plan = replace(plan, filter_eps=eps, reason=f"filter_eps lowered to {eps:.2g} (at {filter_eps:.2g} the filter "
                                                     f"would drop more than {costs.max_dropped:g} of the gradient's "
@@ -478,7 +482,7 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
     if plan.use_map and variant.strategy == "auto":
         pause = costs.forward + plan.cost >= costs.pause_share * unfiltered_cost(p, variant, budget, costs, fused_allowed)
         if pause:  # this call too: the map showed that filtering would save nothing, and cost accuracy
-            plan = plan_backward(p, variant, has_map=False, budget=budget, costs=costs, exact=True,
+            plan = plan_backward(natural, variant, has_map=False, budget=budget, costs=costs, exact=True,
                                  deterministic=deterministic)
             plan = replace(plan, reason=f"filtering cannot pay (live tiles {share:.1%}): exact; " + plan.reason)
     if not plan.use_map:
