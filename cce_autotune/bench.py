@@ -239,8 +239,12 @@ def _autocast_ce(e, c, t, dtype, softcap=None):
 
 
 def _autocast_ours(e, c, t, softcap=None):
-    """Ours as a mixed-precision loop calls it: inside autocast to e's dtype (16-bit), with c as given."""
-    with torch.autocast(e.device.type, dtype=e.dtype, enabled=e.dtype in (torch.float16, torch.bfloat16)):
+    """Ours as a mixed-precision loop calls it: inside autocast to e's dtype (16-bit), with c as given.
+    An fp32 e is left to the autocast state around the call (a disabled block here would turn a
+    training step's autocast off and run the loss in fp32)."""
+    if e.dtype not in (torch.float16, torch.bfloat16):
+        return linear_cross_entropy(e, c, t, softcap=softcap)
+    with torch.autocast(e.device.type, dtype=e.dtype):
         return linear_cross_entropy(e, c, t, softcap=softcap)
 
 
@@ -573,7 +577,9 @@ def main(argv=None) -> int:
 
     def methods_for(softcap):
         methods = _methods(not args.no_peers, softcap)
-        if args.train:  # ours after casting the master weight to the compute dtype (see run_train)
+        if args.train:  # ours after casting the master weight to the compute dtype (see run_train); every
+            # cce_autotune method of a training step already takes the fp32 master weight under autocast
+            methods = [m for m in methods if m.name != "cce_autotune_fp32_classifier"]
             methods.append(Method("cce_autotune_cast", lambda e, c, t: linear_cross_entropy(e, c, t)))
         if classifier_dtype is not None:
             methods = _mixed_methods(methods, dtype, softcap)

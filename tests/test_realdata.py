@@ -172,6 +172,20 @@ def test_bench_methods_and_reference_apply_the_softcap(softcap):
         assert abs(plain - float(want)) > 1e-2  # the cap changes this loss: the check above can fail
 
 
+def test_the_mixed_precision_method_keeps_a_training_steps_autocast(monkeypatch):
+    # cce_autotune_fp32_classifier wraps a 16-bit e in autocast; an fp32 e (a training step's final
+    # norm under autocast) is left to the step's autocast, not run with autocast turned off (in fp32).
+    seen = []
+    monkeypatch.setattr(bench, "linear_cross_entropy", lambda e, c, t, **k: seen.append(
+        (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+    m = next(m for m in bench._methods(include_peers=False) if m.name == "cce_autotune_fp32_classifier")
+    e, c, t = torch.randn(4, 8), torch.randn(16, 8), torch.zeros(4, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m.loss(e, c, t)
+    m.loss(e.to(torch.float16), c, t)
+    assert seen == [(True, torch.bfloat16), (True, torch.float16)]
+
+
 def test_bench_train_loop_on_cpu(data_dir):
     """The training-loop benchmark end to end on a tiny head (CPU: fp32, the PyTorch path of the loss)."""
     methods = [m for m in bench._methods(include_peers=False) if m.name in ("torch", "cce_autotune", "cce_autotune_exact")]
