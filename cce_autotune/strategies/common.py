@@ -154,22 +154,23 @@ def add_target_terms(c, e2, rows: RowLayout, targets, coef_out, zt, softcap, acc
     the rows' terms go to dC by atomic adds in any order (a scan costs about 0.2 ms per piece)."""
     D = e2.shape[1]
     w = target_weight(coef_out, zt, softcap)
+    neg_w = -w[:, None]  # (negated once, not per piece: a piece's host time is its launches)
     row_idx = rows.row_index(D)
     for lo in range(0, targets.shape[0], chunk):
         sl = slice(lo, lo + chunk)
-        t, wk, r = targets[sl], w[sl, None], row_idx[sl]
-        acc.index_add_(0, r, (c[t].to(e2.dtype).float() * -wk).to(acc.dtype))
+        t, wk, r = targets[sl], neg_w[sl], row_idx[sl]
+        acc.index_add_(0, r, (c[t].to(e2.dtype).float() * wk).to(acc.dtype))
         if not deterministic:
-            dc.index_add_(0, t, (e2[r].float() * -wk).to(dc.dtype))
+            dc.index_add_(0, t, (e2[r].float() * wk).to(dc.dtype))
             continue
         order = torch.argsort(t, stable=True)
         ts = t[order]
-        sums = segment_sums(ts, e2[r[order]].float() * -wk[order])
+        sums = segment_sums(ts, e2[r[order]].float() * wk[order])
         dc.index_add_(0, ts, sums.to(dc.dtype))  # (rows past a run's last one add exact zeros)
     if dbias is not None:
         order = torch.argsort(targets, stable=True)
         ts = targets[order]
-        dbias.index_add_(0, ts, segment_sums(ts, -w[order, None]).squeeze(1).to(dbias.dtype))
+        dbias.index_add_(0, ts, segment_sums(ts, neg_w[order]).squeeze(1).to(dbias.dtype))
 
 
 def segment_sums(keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:

@@ -116,10 +116,13 @@ class Tiles(Strategy):
 
 
 def _launch(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps,
-            variant, tiles, de, dc, dbias, dc_lo: int | None = None, c_window: torch.Tensor | None = None) -> None:
+            variant, tiles, de, dc, dbias, dc_lo: int | None = None, c_window: torch.Tensor | None = None,
+            unused_locks: torch.Tensor | None = None) -> None:
     """The tile kernel over every tile (``tiles`` None) or the listed ones; with ``dc_lo``, ``dc`` is
     the fp32 scratch of the vocabulary window starting at walked position ``dc_lo``, and
-    ``c_window`` (if given) that window's rows of C converted to e's dtype, read instead of C."""
+    ``c_window`` (if given) that window's rows of C converted to e's dtype, read instead of C.
+    ``unused_locks``: fp32 accumulation takes no locks; a caller that launches once per window passes
+    one int32 placeholder for them rather than two allocations per launch."""
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     native = variant.accum == "native"
@@ -132,8 +135,11 @@ def _launch(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, 
     fl = flags(e, c if c_window is None else c_window, bias, softcap, variant.block_d, rows,
                tile_list=tiles is not None, dc_window=dc_lo is not None, c_local=c_window is not None)
     c_arg = c if c_window is None else c_window
-    locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
-    locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
+    if native or unused_locks is None:
+        locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
+        locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
+    else:
+        locks_e = locks_c = unused_locks
     load_kernel(variant, fl)[grid](
         e, c_arg, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
         perm if perm is not None else target_pos, tiles if tiles is not None else target_pos,
@@ -168,6 +174,10 @@ def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coe
     scratch = torch.empty((W, D), dtype=torch.float32, device=dev)
     # A classifier wider than e: each window's rows converted to e's dtype once (see lse_forward).
     c_buf = torch.empty((W, D), dtype=e.dtype, device=dev) if c.dtype != e.dtype else None
+    # Made once, not per window (launches dominate a window's host time): the walked order's int64
+    # indices, and the kernel's lock placeholder (fp32 accumulation takes no locks).
+    cols = perm.long()
+    no_locks = torch.zeros(1, dtype=torch.int32, device=dev)
     first = 0
     for k, count in enumerate(counts):
         if count == 0:
@@ -177,9 +187,9 @@ def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coe
         scratch.zero_()
         window = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
         _launch(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant,
-                tiles[first:first + count], de32, scratch, dbias, dc_lo=lo, c_window=window)
+                tiles[first:first + count], de32, scratch, dbias, dc_lo=lo, c_window=window, unused_locks=no_locks)
         first += count
-        dc.index_copy_(0, perm[lo:lo + w].long(), scratch[:w].to(dc.dtype))
+        dc.index_copy_(0, cols[lo:lo + w], scratch[:w].to(dc.dtype))
     add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap, de32.view(-1, D), dc, dbias,
                      deterministic=False)  # (atomics anyway)
     if dbias is not None:
