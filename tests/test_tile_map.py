@@ -170,6 +170,27 @@ def test_mapped_backward_matches_the_oracle(strategy, walk, eps, dtype, device, 
     assert_within(res)
 
 
+@pytest.mark.parametrize("V, budget", [(301, None), (2100, 300_000)], ids=["one scratch", "dC windows"])
+def test_mapped_strategies_drop_exactly_what_the_map_skips(V, budget, device, no_accuracy_guard, set_costs, planned):
+    # What the accuracy check measures is what the map skips (accuracy.map_dead), so every mapped
+    # strategy must drop exactly that: the tile kernel, whose tiles are narrower than the forward's,
+    # would otherwise also skip the half-tiles of a live forward tile whose softmax is below the
+    # filter (at 2^-6 here that changed 46-71 % of dE's elements).
+    set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, window_ms=0.0, pause_share=float("inf"))
+    e, c, t, _ = make_inputs((3, 29), V, 45, torch.float32, peaked=2.0, device=device)
+    grads = {}
+    for strategy in ("chunked", "tiles"):
+        kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy=strategy))
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        prime_order(cc, ee, "sorted")
+        linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, max_extra_memory=budget).backward()
+        plan = planned[-1].call.backward
+        assert plan.use_map and plan.strategy == strategy and (strategy != "tiles" or bool(plan.window_v) == bool(budget))
+        grads[strategy] = ee.grad, cc.grad
+    torch.testing.assert_close(grads["tiles"][0], grads["chunked"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads["tiles"][1], grads["chunked"][1], rtol=1e-5, atol=1e-6)
+
+
 def test_mapped_backward_with_reduction_none_and_lse_gradient(device):
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-14))
     res, _ = run_case((37,), 301, 45, torch.float32, variants=kv, reduction="none", return_lse=True, bias=True,

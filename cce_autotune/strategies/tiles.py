@@ -1,7 +1,8 @@
 """The tiles strategy: one program per (live) tile recomputes its logits and adds its gradient with
 fp32 atomics into fp32 dE and dC scratch (4·(n + V)·D bytes), or, with ``accum="native"``, into
-dE and dC themselves under locks. With the tile map only the live tiles are launched and, where the
-V x D scratch does not fit the memory budget, dC is taken one vocabulary window at a time.
+dE and dC themselves under locks. With the tile map only the live tiles are launched, each computed
+whole (the kernel's own filter is off: the accuracy check measured what the map skips, nothing more),
+and, where the V x D scratch does not fit the memory budget, dC is taken one vocabulary window at a time.
 
 Cost: ``tiles_per_live`` x the live share (the atomics dominate), plus ``tiles_recompute`` when
 there is no map to skip tiles by (the kernel's own filter still skips their products).
@@ -105,8 +106,10 @@ class Tiles(Strategy):
                                  de.view(-1, D), dc, dbias, deterministic=False)  # (atomics anyway)
             else:
                 tiles = None
-            _launch(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant,
-                    tiles, de, dc, dbias)
+            # Launched from the map, the kernel computes every launched tile: what the accuracy check
+            # measured (its own filter would also skip tiles of live forward tiles, unmeasured).
+            _launch(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap,
+                    0.0 if use_map else filter_eps, variant, tiles, de, dc, dbias)
         if not native:
             de = de.to(e.dtype)
             dc = dc.to(dc_dtype)
@@ -186,7 +189,7 @@ def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coe
         w = min(W, V - lo)
         scratch.zero_()
         window = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
-        _launch(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps, variant,
+        _launch(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, 0.0, variant,  # (as in run)
                 tiles[first:first + count], de32, scratch, dbias, dc_lo=lo, c_window=window, unused_locks=no_locks)
         first += count
         dc.index_copy_(0, cols[lo:lo + w], scratch[:w].to(dc.dtype))
