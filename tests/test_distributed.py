@@ -216,6 +216,22 @@ def _check_filtered(mesh):
     assert call.run_eps is None and not call.checked, call.backward.describe()
     if dist.get_rank() == 0:
         assert "another vocabulary shard of the call has no tile map" in call.backward.reason
+    # A shard whose filtering cannot pay (here rank 1's, by its cost model) pauses and runs exact; the
+    # others, which would have filtered, run exact too and pause with it.
+    memory.clear()
+    if dist.get_rank() == 1:
+        costs.BUILTIN["h200"] = {**costs.BUILTIN["h200"], "pause_share": 0.0}
+    auto = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-4, strategy="auto"))
+    c_d = distribute_tensor(c.clone(), mesh, [Shard(0)]).requires_grad_()
+    with explain.recording() as made:
+        for _ in range(2):
+            e_d = e.clone().requires_grad_()
+            linear_cross_entropy(e_d, c_d, t, impl="triton", variants=auto, deterministic=True).backward()
+    call = made[-1].call
+    assert call.run_eps is None and not call.backward.use_map and call.pause > 0, call.backward.describe()
+    assert ("another vocabulary shard of the call pauses" if dist.get_rank() == 0 else "filtering cannot pay") \
+        in call.backward.reason, call.backward.reason
+    assert rel_err(e_d.grad.double(), e64.grad) < 1e-5  # exact
 
 
 def _worker(rank, world, init_file, out_dir, jobs, interpret):

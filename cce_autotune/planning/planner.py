@@ -283,8 +283,14 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
                                                    fused_allowed=fused_allowed, deterministic=plan.deterministic,
                                                    why=measured, correction=direction is not None)
     measured_exact = can_check and eps is None  # the check's verdict: exact
-    if can_check:  # (a shard that pauses runs exact: so does every shard)
-        pause = not _agreed(ev.shards, [not pause])[0]
+    if can_check and not _agreed(ev.shards, [not pause])[0] and not pause:
+        # Another shard found that filtering cannot pay and runs exact: so does this one (its dropped
+        # terms were measured together with the others').
+        why = "another vocabulary shard of the call pauses: exact"
+        chosen, live, blocks, _, reported = decide(p, bw, None, tmap, ev.lse, budget=budget, costs=costs,
+                                                   fused_allowed=fused_allowed, deterministic=plan.deterministic,
+                                                   why=why)
+        pause = True
     if measured_exact:
         pause = True  # the forward stops walking and mapping until the next check
     pause_calls = 0
