@@ -159,15 +159,15 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
     shift, impl = options.get("shift", 0), options.get("impl", "auto")
     _check_tensors(e, c, targets, bias, token_weights, shift, impl)
     encoded = _encode_options(**options)
-    if distributed.has_dtensor(e, c, bias, targets, token_weights):  # (torch.distributed's DTensors, checked whole)
-        return distributed.linear_cross_entropy(linear_cross_entropy, e, c, targets, bias, token_weights, options,
-                                                encoded)
-    if captured.active():  # a capture() block is open: save what this call sees (eager only; checked options)
-        captured.record(e, c, targets, bias, options.get("softcap"), options.get("ignore_index", -100), shift)
     needs_grad = torch.is_grad_enabled() and (
         e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad))
     if token_weights is not None:
         token_weights = token_weights.detach()
+    if distributed.has_dtensor(e, c, bias, targets, token_weights):  # (torch.distributed's DTensors, checked whole)
+        return distributed.linear_cross_entropy(linear_cross_entropy, e, c, targets, bias, token_weights, options,
+                                                encoded, needs_grad)
+    if captured.active():  # a capture() block is open: save what this call sees (eager only; checked options)
+        captured.record(e, c, targets, bias, options.get("softcap"), options.get("ignore_index", -100), shift)
     loss, lse, _ = torch.ops.cce_autotune.lce_forward(e, c, bias, targets, token_weights, encoded, needs_grad)
     if options.get("return_lse", False):
         return loss, lse.view(pred_shape(e.shape[:-1], shift))

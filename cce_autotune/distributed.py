@@ -97,10 +97,11 @@ def _full(name: str, t, differentiable: bool, partial_grad: bool = False):
                      "rows sharded (Shard(0)) on a 1-D mesh")
 
 
-def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dict, encoded: str):
+def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dict, encoded: str, needs_grad: bool):
     """``linear_cross_entropy`` with DTensor arguments (see the module docstring), whose kinds, shapes
     and dtypes it has checked on the whole tensors and whose e it has cast under autocast; ``plain`` is
-    the ordinary function, called on local tensors; ``encoded``: the checked options, encoded."""
+    the ordinary function, called on local tensors; ``encoded``: the checked options, encoded;
+    ``needs_grad``: whether the call takes part in autograd (its token weights detached)."""
     targets = _full("targets", targets, differentiable=False)
     token_weights = _full("token_weights", token_weights, differentiable=False)
     if not has_dtensor(c):
@@ -122,10 +123,12 @@ def linear_cross_entropy(plain, e, c, targets, bias, token_weights, options: dic
     # rank its rows' gradient: a reduce_scatter, half an all_reduce's traffic.
     rows_sharded = has_dtensor(e) and e.device_mesh == c.device_mesh and _sharded_rows(e)
     e = _full("e", e, differentiable=True, partial_grad=rows_sharded)
-    return _vocab_parallel(e, c, targets, bias, token_weights, options, encoded, reduce_de=not rows_sharded)
+    return _vocab_parallel(e, c, targets, bias, token_weights, options, encoded, needs_grad,
+                           reduce_de=not rows_sharded)
 
 
-def _vocab_parallel(e, c, targets, bias, token_weights, options: dict, encoded: str, reduce_de: bool):
+def _vocab_parallel(e, c, targets, bias, token_weights, options: dict, encoded: str, needs_grad: bool,
+                    reduce_de: bool):
     """The loss of a ``Shard(0)`` classifier (its shapes read here, traceable; the rest in the
     operators)."""
     mesh = c.device_mesh
@@ -140,9 +143,6 @@ def _vocab_parallel(e, c, targets, bias, token_weights, options: dict, encoded: 
                          f"as torch.chunk lays it out ({chunk} rows a rank), as distribute_tensor does")
     if c_l.shape[0] == 0:
         raise ValueError(f"c: rank {r} of {W} holds no rows of the {V}-row classifier; shard it over fewer ranks")
-    if token_weights is not None:
-        token_weights = token_weights.detach()
-    needs_grad = torch.is_grad_enabled() and (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad))
     loss, lse, _ = torch.ops.cce_autotune.vocab_parallel_forward(e, c_l, b_l, targets, token_weights, encoded, V, lo,
                                                                  mesh.get_group().group_name, reduce_de, needs_grad)
     if options.get("return_lse", False):
