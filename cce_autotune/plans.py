@@ -132,8 +132,9 @@ class CallPlan:
     for an exact backward); ``order``: the vocabulary order the backward's kernels walk: "map" (the
     order the forward walked, launched from its tile map), "sorted" (the order the backward sorted) or
     "natural"; ``correction``: the (D,) fp32 direction of the dead-tile correction, or None;
-    ``live``: the (row blocks, tiles) live grid and ``blocks``: a strategy's list of live blocks (the
-    chunked strategy's (chunk, row group) blocks), both None without a map; ``pause``: the classifier's
+    ``live``: the (row blocks, tiles) live grid, ``blocks``: a strategy's list of live blocks (the
+    chunked strategy's (chunk, row group) blocks) and ``columns``: the host's count of live tiles in
+    each tile column of the grid, all None without a map; ``pause``: the classifier's
     next calls that neither walk nor map (0: none); ``checked``: what the accuracy check measured
     (``(filter_eps, dE error, corrected)`` triples)."""
 
@@ -148,6 +149,7 @@ class CallPlan:
     correction: Any = None
     live: Any = None
     blocks: Any = None
+    columns: Any = None
     pause: int = 0
     checked: tuple = ()
     costs: Any = None  # the GPU's cost model the plan was made with (the launch constants chosen on it)

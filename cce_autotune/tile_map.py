@@ -116,19 +116,29 @@ def dropped_share(tmap: TileMap, lse: torch.Tensor, filter_eps: float) -> torch.
     return dropped / grad_l1.clamp_min(1e-30)
 
 
-def tile_ids(live: torch.Tensor, group_b: int, swizzle: bool = True) -> torch.Tensor:
+def tile_ids(live: torch.Tensor, group_b: int, swizzle: bool = True, count: int | None = None) -> torch.Tensor:
     """int32 ids ``pid_b * tiles + pid_n`` of the live tiles of a (row blocks, tiles) grid, in the
     swizzled order of the full grid (groups of ``group_b`` row blocks, walked tile-major, so that
-    neighbouring programs share C tiles), or with ``swizzle=False`` in row-major order."""
+    neighbouring programs share C tiles), or with ``swizzle=False`` in row-major order. ``count``:
+    the number of live tiles, known on the host (the planner's copy): the list is then made without
+    a device-to-host copy (``nonzero_static``); None: ``nonzero``, which waits for the device."""
     R, T = live.shape
     if not swizzle:
-        return live.flatten().nonzero().squeeze(1).to(torch.int32)
+        return _nonzero(live.flatten(), count).squeeze(1).to(torch.int32)
     G = max(1, min(group_b, R))
     RG = -(-R // G) * G
     grid = torch.zeros((RG, T), dtype=torch.bool, device=live.device)
     grid[:R] = live
-    g, t, j = grid.view(RG // G, G, T).permute(0, 2, 1).nonzero(as_tuple=True)
+    g, t, j = _nonzero(grid.view(RG // G, G, T).permute(0, 2, 1), count).unbind(1)
     return ((g * G + j) * T + t).to(torch.int32)
+
+
+def _nonzero(x: torch.Tensor, count: int | None) -> torch.Tensor:
+    """(k, x.dim()) indices of x's nonzero entries, in row-major order: with their ``count`` known,
+    without a sync."""
+    if count is None:
+        return x.nonzero()
+    return torch.nonzero_static(x, size=count)
 
 
 def live_tiles(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int,

@@ -93,6 +93,33 @@ def test_an_fp32_classifier_is_converted_whole_within_the_budget():
     assert planner.call_budget(p, "auto", converted=False) == default_budget(p) + copy
 
 
+def test_a_call_that_cannot_read_back_is_planned_exact(device):
+    # While a CUDA graph is captured (measurable=False) nothing can be read back to the host: the
+    # call filters nothing, so its forward walks no order and records no map (no remembered state is
+    # read or changed), and it is planned as an exact call is (here, unlimited: in the forward).
+    from cce_autotune.options import Options
+    from cce_autotune.variant import KernelVariants
+
+    kv = KernelVariants.defaults(2)
+    assert kv.backward.filter_eps is not None and kv.backward.tile_map
+    V, D, n = 50000, 2048, 8192
+    p = Problem(n=n, n_all=n, V=V, D=D, elem=2, grad_bytes=2 * (n + V) * D)
+    c = torch.zeros(4, 4, device=device)
+    memory.remember_order(c, torch.arange(4, dtype=torch.int32, device=device))
+    o = Options.check()
+    plans = {}
+    for measurable in (True, False):
+        plan = planner.plan_call(o, "triton", kv, True, p, COSTS, measurable=measurable)
+        plans[measurable] = planner.plan_forward(plan, p, c, COSTS, needs_grad=True, fused_allowed=True,
+                                                 dense_rows=True, max_extra_memory=None)
+    exact = planner.plan_forward(planner.plan_call(Options.check(filter_eps=None), "triton", kv, True, p, COSTS),
+                                 p, c, COSTS, needs_grad=True, fused_allowed=True, dense_rows=True,
+                                 max_extra_memory=None)
+    assert plans[True].filter_eps is not None and plans[True].forward.walk is not None
+    assert plans[False].filter_eps is None and plans[False].forward.walk is None and not plans[False].forward.sort
+    assert plans[False].forward == exact.forward and exact.forward.fused is not None
+
+
 def test_loss_rejects_a_bad_budget_naming_the_argument(device):
     e, c, t, _ = make_inputs((8,), 32, 16, torch.float32, device=device)
     with pytest.raises(ValueError, match="max_extra_memory"):

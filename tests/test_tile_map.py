@@ -191,6 +191,57 @@ def test_mapped_strategies_drop_exactly_what_the_map_skips(V, budget, device, no
     torch.testing.assert_close(grads["tiles"][1], grads["chunked"][1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("strategy, budget", [("tiles", None), ("tiles", 300_000), ("sparse", None)],
+                         ids=["tiles", "tiles in dC windows", "sparse"])
+def test_mapped_strategies_read_nothing_back(strategy, budget, device, no_accuracy_guard, set_costs, planned,
+                                             monkeypatch):
+    # The strategies that launch from the live grid size their launches by the counts the planner's
+    # one copy brought (plan.columns): their run reads no tensor back to the host (on a GPU each
+    # read would wait for the device), and computes what it did when it counted for itself.
+    from cce_autotune import strategies
+
+    set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, window_ms=0.0, pause_share=float("inf"))
+    e, c, t, _ = make_inputs((3, 29), 2100, 45, torch.float32, peaked=2.0, device=device)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy=strategy))
+    chosen = strategies.get(strategy)
+    real_run = type(chosen).run
+    reads = []
+
+    def reading(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *a, **k):
+            reads.append(name)
+            return real(self, *a, **k)
+        return read
+
+    def run_without_reads(self, args, plan):
+        assert args.columns is not None and sum(args.columns) == int(args.live.sum())
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item", "nonzero", "__int__", "__float__", "__bool__"):
+                m.setattr(torch.Tensor, name, reading(name))
+            return real_run(self, args, plan)
+
+    grads = []
+    for patched in (False, True):
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        prime_order(cc, ee, "sorted")
+        with monkeypatch.context() as m:
+            if patched:
+                m.setattr(type(chosen), "run", run_without_reads)
+            else:  # the counts made by the strategy itself, as a caller without them gets
+                m.setattr(planner, "decide", lambda *a, **k: planner_decide(*a, **k)[:5] + (None,))
+            linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, max_extra_memory=budget).backward()
+        plan = planned[-1].call.backward
+        assert plan.use_map and plan.strategy == strategy and bool(plan.window_v) == bool(budget)
+        grads.append((ee.grad, cc.grad))
+    assert reads == []
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7)
+
+
+planner_decide = planner.decide
+
+
 def test_mapped_backward_with_reduction_none_and_lse_gradient(device):
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-14))
     res, _ = run_case((37,), 301, 45, torch.float32, variants=kv, reduction="none", return_lse=True, bias=True,

@@ -61,18 +61,23 @@ def choose_impl(o, device) -> str:
     return impl
 
 
-def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = None, costs=None) -> CallPlan:
+def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = None, costs=None,
+              measurable: bool = True) -> CallPlan:
     """The call's first plan: ``variants`` as the kernels run them (``dispatched``: they come from
     the tuned-config database, not from the caller), the filter, determinism; on the kernels' path
     (``p`` and ``costs`` given), how a classifier of another dtype than e (``p.cast_bytes``: an fp32
     one with 16-bit e) is converted: whole, once, when the copy fits the memory budget (then every
     strategy runs as for a 16-bit classifier), else a chunk or window at a time inside the kernel
-    launches."""
+    launches. ``measurable``: the call may read what it measures back to the host (not while a CUDA
+    graph is being captured: a replay would not run the host's decisions again); a call that may not
+    filters nothing, since nothing could measure what a filter costs it."""
     kv = variants
     eps = None
     forward = ForwardPlan()
     if kv is not None:
         eps = kv.backward.filter_eps if o.filter_eps == "auto" else o.filter_eps
+        if not measurable:
+            eps = None
         if dispatched and kv.backward.strategy != "auto":
             # A tuned entry's strategy was measured on the tuner's data; which strategy runs is the
             # planner's choice for each call, from the live share it measures and the memory budget.
@@ -279,17 +284,17 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
         eps = None
         measured = "no tile map to check the filter against: exact"
     budget = call_budget(p, max_extra_memory, plan.forward.convert_classifier)
-    chosen, live, blocks, pause, reported = decide(p, bw, eps, tmap, ev.lse, budget=budget, costs=costs,
-                                                   fused_allowed=fused_allowed, deterministic=plan.deterministic,
-                                                   why=measured, correction=direction is not None)
+    chosen, live, blocks, pause, reported, columns = decide(p, bw, eps, tmap, ev.lse, budget=budget, costs=costs,
+                                                            fused_allowed=fused_allowed, deterministic=plan.deterministic,
+                                                            why=measured, correction=direction is not None)
     measured_exact = can_check and eps is None  # the check's verdict: exact
     if can_check and not _agreed(ev.shards, [not pause])[0] and not pause:
         # Another shard found that filtering cannot pay and runs exact: so does this one (its dropped
         # terms were measured together with the others').
         why = "another vocabulary shard of the call pauses: exact"
-        chosen, live, blocks, _, reported = decide(p, bw, None, tmap, ev.lse, budget=budget, costs=costs,
-                                                   fused_allowed=fused_allowed, deterministic=plan.deterministic,
-                                                   why=why)
+        chosen, live, blocks, _, reported, columns = decide(p, bw, None, tmap, ev.lse, budget=budget, costs=costs,
+                                                            fused_allowed=fused_allowed, deterministic=plan.deterministic,
+                                                            why=why)
         pause = True
     if measured_exact:
         pause = True  # the forward stops walking and mapping until the next check
@@ -311,7 +316,7 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
     # The correction was fitted to what the checked filter drops: not where the guard lowered it.
     correction = direction if chosen.use_map and strategy.takes_correction and chosen.filter_eps is None else None
     out = replace(plan, backward=chosen, run_eps=eps, order=order, correction=correction, live=live, blocks=blocks,
-                  pause=pause_calls, checked=checked)
+                  columns=columns, pause=pause_calls, checked=checked)
     explain.report(chosen, p, reported, call=out)
     return out
 
@@ -427,10 +432,12 @@ def _alike(then, now) -> bool:
 def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | None, costs,
            fused_allowed: bool = False, deterministic: bool = False, why: str | None = None,
            correction: bool = False) -> tuple:
-    """``(plan, live, blocks, pause, checked)`` of a call's backward, measured.
+    """``(plan, live, blocks, pause, checked, columns)`` of a call's backward, measured.
 
     With the forward's ``tile_map`` (and filtering), the live grid is built on the device, each
-    strategy's live blocks are derived from it, and all reach the host in one copy; the dropped-mass
+    strategy's live blocks are derived from it, and all reach the host in one copy, with the count of
+    live tiles in each tile column (``columns``: what a strategy launching from the grid sizes its
+    launches by, so that it needs no copy of its own); the dropped-mass
     guard lowers the filter down :data:`~cce_autotune.planning.filters.GUARD_RUNGS` while the map's
     bound says it drops more than the cost model's ``max_dropped`` of the gradient's mass (past the
     last rung the call runs exact and pauses). ``pause``: filtering cannot pay for this classifier
@@ -439,7 +446,7 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
     accuracy check chose ``filter_eps``, put before the plan's reason; ``correction``: a filtering
     plan must take the dead-tile correction. ``checked``: the text the plan is reported with."""
     exact = filter_eps is None
-    live = None
+    live = columns = None
     share = None
     block_lists: dict = {}
     block_shares: dict = {}
@@ -451,14 +458,15 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
             live = live_grid(tile_map, lse, eps, p.V, variant.block_b, variant.block_v)
             grids = [(s.name, g) for s in strategies.all_strategies() if (g := s.blocks(live, ctx)) is not None]
             dropped = dropped_share(tile_map, lse, eps)
-            host = torch.cat([dropped.view(1).double(), live.sum().view(1).double(),
+            host = torch.cat([dropped.view(1).double(), live.sum(0).double(),
                               *(g.double() for _, g in grids)]).tolist()  # one copy
             if host[0] <= costs.max_dropped:
                 break
         else:
             lossy = host[0]
-        share = host[1] / max(1, live.numel())
-        at = 2
+        columns = [int(x) for x in host[1:1 + live.shape[1]]]
+        share = sum(columns) / max(1, live.numel())
+        at = 1 + live.shape[1]
         for name, g in grids:
             flags = [bool(x) for x in host[at:at + g.numel()]]
             at += g.numel()
@@ -472,7 +480,7 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
                              deterministic=deterministic)
         plan = replace(plan, reason=f"filtering would drop {lossy:.1e} of the gradient's mass even at filter_eps "
                                     f"{eps:.2g} (at most {costs.max_dropped:g}): exact; " + plan.reason)
-        return plan, None, None, True, ""
+        return plan, None, None, True, "", None
     plan = plan_backward(natural if exact else p, variant, has_map=tile_map is not None, live=share,
                          live_blocks=block_shares, budget=budget, costs=costs, exact=exact, deterministic=deterministic,
                          correction=correction)
@@ -492,10 +500,10 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
                                  deterministic=deterministic)
             plan = replace(plan, reason=f"filtering cannot pay (live tiles {share:.1%}): exact; " + plan.reason)
     if not plan.use_map:
-        live, blocks = None, None
+        live, blocks, columns = None, None, None
     else:
         blocks = block_lists.get(plan.strategy)
-    return plan, live, blocks, pause, why or ""
+    return plan, live, blocks, pause, why or "", columns
 
 
 # -- the choice of a strategy --------------------------------------------------------------------

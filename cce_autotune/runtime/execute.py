@@ -164,7 +164,8 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
     args = BackwardArgs(
         e=e, c=ck, bias=bias, rows=rows, target_pos=target_pos, targets=call.targets, lse=lse, coef_s=coef_s,
         coef_t=coef_t, coef_out=coef_out, perm=perm, softcap=call.softcap, filter_eps=plan.run_eps, variant=variant,
-        tile_map=tile_map if bw.use_map else None, live=plan.live, blocks=plan.blocks, dc_dtype=c.dtype,
+        tile_map=tile_map if bw.use_map else None, live=plan.live, blocks=plan.blocks, columns=plan.columns,
+        dc_dtype=c.dtype,
         deterministic=plan.deterministic, correction=plan.correction, costs=plan.costs,
     )
     de, dc, dbias = strategy.run(args, bw)

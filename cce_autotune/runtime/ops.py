@@ -65,7 +65,10 @@ def start(e, c, targets, bias, token_weights, o: Options) -> tuple:
     call = prepare(e, c, targets, bias, token_weights, o, impl)
     if impl == "torch":
         return call, None
-    plan = planner.plan_call(o, impl, variants, dispatched, call.problem(e, c, bias), _costs(e.device))
+    # While a CUDA graph is captured nothing is read back to the host: the call is planned so.
+    capturing = e.is_cuda and torch.cuda.is_current_stream_capturing()
+    plan = planner.plan_call(o, impl, variants, dispatched, call.problem(e, c, bias), _costs(e.device),
+                             measurable=not capturing)
     return call, plan
 
 

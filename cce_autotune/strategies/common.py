@@ -71,7 +71,8 @@ class BackwardArgs:
     launched (0 for the others: their term is added inside a launched tile); None without a map.
     ``variant``: the call's BackwardVariant with the plan's strategy, filter and order in it.
     ``tile_map``, ``live``, ``blocks``: the forward's map, its live grid at the variant's tiling, and
-    the strategy's live blocks (with a mapped plan; else None). ``dc_dtype``: dC's dtype when it is
+    the strategy's live blocks (with a mapped plan; else None); ``columns``: the count of live tiles
+    in each column of ``live``, on the host (None: the strategy counts them itself, with a copy). ``dc_dtype``: dC's dtype when it is
     not c's (``c`` a converted copy of a wider classifier). ``correction``: the (D,) fp32 direction of
     the dead-tile correction (strategies that take it), or None. ``costs``: the GPU's cost model (the
     launch constants chosen on it)."""
@@ -93,6 +94,7 @@ class BackwardArgs:
     tile_map: Any = None
     live: torch.Tensor | None = None
     blocks: list | None = None
+    columns: list | None = None
     dc_dtype: torch.dtype | None = None
     deterministic: bool = False
     correction: torch.Tensor | None = None

@@ -55,7 +55,8 @@ class Sparse(Strategy):
         e, c, bias, rows, variant = args.e, args.c, args.bias, args.rows, args.variant
         target_pos, targets, lse, coef_s, coef_t = args.target_pos, args.targets, args.lse, args.coef_s, args.coef_t
         coef_out, perm, softcap, tile_map, dc_dtype = args.coef_out, args.perm, args.softcap, args.tile_map, args.dc_dtype
-        tiles = tile_ids(args.live, 1, swizzle=False)
+        count = sum(args.columns) if args.columns is not None else None  # (None: nonzero's own copy)
+        tiles = tile_ids(args.live, 1, swizzle=False, count=count)
         n, D = rows.n, e.shape[-1]
         V = c.shape[0]
         dev = e.device

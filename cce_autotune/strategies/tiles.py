@@ -86,9 +86,12 @@ class Tiles(Strategy):
         target_pos, targets, lse, coef_s, coef_t = args.target_pos, args.targets, args.lse, args.coef_s, args.coef_t
         coef_out, perm, softcap, filter_eps = args.coef_out, args.perm, args.softcap, args.filter_eps
         tile_map, live, dc_dtype = args.tile_map, args.live, args.dc_dtype
+        if plan.use_map and rows.n > 0:
+            # The live tiles of each tile column, from the planner's copy (or one of our own).
+            columns = args.columns if args.columns is not None else live.sum(0).tolist()
         if plan.use_map and plan.window_v and rows.n > 0:
             return _windowed(e, c, bias, rows, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap,
-                             filter_eps, variant, plan, tile_map, live, dc_dtype=dc_dtype)
+                             filter_eps, variant, plan, tile_map, live, columns, dc_dtype=dc_dtype)
         n_rows, D = rows.n, e.shape[-1]
         V = c.shape[0]
         dev = e.device
@@ -101,7 +104,7 @@ class Tiles(Strategy):
         dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
         if n_rows > 0:
             if use_map:
-                tiles = tile_ids(live, variant.group_b)
+                tiles = tile_ids(live, variant.group_b, count=sum(columns))
                 add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap,
                                  de.view(-1, D), dc, dbias, deterministic=False)  # (atomics anyway)
             else:
@@ -157,10 +160,11 @@ def _launch(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, 
 
 
 def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap, filter_eps,
-              variant, plan, tile_map, live, dc_dtype=None) -> tuple:
+              variant, plan, tile_map, live, columns, dc_dtype=None) -> tuple:
     """The tile kernel over the live tiles, one vocabulary window of ``plan.window_v`` walked
     positions at a time, so that the fp32 dC scratch is window x D instead of V x D: each window's
-    dC rows are rounded into dC once its tiles are done. dE keeps its fp32 scratch (n x D)."""
+    dC rows are rounded into dC once its tiles are done. dE keeps its fp32 scratch (n x D).
+    ``columns``: the live tiles of each tile column (host ints), which size each window's launch."""
     D = e.shape[-1]
     V = c.shape[0]
     dev = e.device
@@ -170,10 +174,10 @@ def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coe
     de32 = torch.zeros(e.shape, dtype=torch.float32, device=dev)
     dc = torch.zeros(c.shape, dtype=dc_dtype or c.dtype, device=dev)
     dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
-    tiles = tile_ids(live, variant.group_b)
+    tiles = tile_ids(live, variant.group_b, count=sum(columns))
     window = (tiles % T) // per
     tiles = tiles[torch.argsort(window, stable=True)]
-    counts = torch.bincount(window, minlength=-(-T // per)).tolist()  # the backward's one host copy
+    counts = [sum(columns[k:k + per]) for k in range(0, T, per)]
     scratch = torch.empty((W, D), dtype=torch.float32, device=dev)
     # A classifier wider than e: each window's rows converted to e's dtype once (see lse_forward).
     c_buf = torch.empty((W, D), dtype=e.dtype, device=dev) if c.dtype != e.dtype else None
