@@ -113,6 +113,23 @@ def test_fake_tensor_mode():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [dict(filter_eps=None), dict(filter_eps=None, deterministic=True),
+                                  dict(filter_eps=None, max_extra_memory=None)], ids=["exact", "deterministic", "fused"])
+def test_an_exact_call_makes_no_host_sync(mode):
+    # Nothing of an exact call waits for the device (the targets' range check included): with the
+    # sync debug mode set to "error" any device-to-host read would raise.
+    e, c, t, _ = make_inputs((3, 50), 700, 64, torch.bfloat16, device="cuda")
+    e, c = e.detach().requires_grad_(), c.detach().requires_grad_()
+    linear_cross_entropy(e, c, t, **mode).backward()  # (kernels compiled, configs read)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        linear_cross_entropy(e, c, t, **mode).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", [dict(filter_eps=None), dict(filter_eps=None, deterministic=True), {},
                                   dict(max_extra_memory=None)],
                          ids=["exact", "deterministic", "default", "unlimited"])

@@ -70,7 +70,8 @@ class Call:
             return
         if torch.cuda.is_current_stream_capturing():
             return
-        found = torch.stack([bad.any().long(), t[bad.int().argmax()].long()])
+        # (gather, not t[index]: indexing with a 0-d tensor reads the index back, a sync per call)
+        found = torch.stack([bad.any().long(), t.gather(0, bad.int().argmax().view(1)).long()[0]])
         host = torch.empty(2, dtype=torch.int64, pin_memory=True)
         host.copy_(found, non_blocking=True)
         landed = torch.cuda.Event()
