@@ -402,6 +402,43 @@ def test_two_losses_on_one_classifier_keep_their_own_verdicts(device, monkeypatc
     assert measured == [True, True, False, False, False], measured
 
 
+def test_a_call_that_reuses_a_verdict_reads_back_once(device, monkeypatch, set_costs, planned):
+    # The verdict's fingerprint rides on the planner's one copy (the live grid's counts): planning a
+    # call that reuses the classifier's latest verdict reads the device once. Where the latest does not
+    # match (another loss's rows on the same classifier) the call is checked, or decided again at an
+    # older verdict that matches: a second copy, no check.
+    from cce_autotune.planning import planner
+
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=2.0, seed=5, device=device)
+    e2, _, t2, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.0, seed=6, device=device)
+    monkeypatch.setattr(filters, "MAX_ERROR", 1.0)
+    set_costs(max_dropped=math.inf, pause_share=math.inf)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
+    prime_order(c, e, "sorted")
+    real_plan = planner.plan_gradients
+    reads = []
+
+    def counting(*a, **k):
+        reads.append(0)
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item", "__float__", "__bool__", "__int__"):
+                def read(self, *x, _real=getattr(torch.Tensor, name), **y):
+                    reads[-1] += 1
+                    return _real(self, *x, **y)
+                m.setattr(torch.Tensor, name, read)
+            return real_plan(*a, **k)
+
+    monkeypatch.setattr(planner, "plan_gradients", counting)
+    checked = []
+    for rows, targets in ((e, t), (e, t), (e, t), (e2, t2), (e, t)):
+        _mapped_call(rows, c, targets, kv)
+        checked.append(bool(planned[-1].call.checked))
+    assert checked == [True, False, False, True, False]
+    assert reads[1] == reads[2] == 1, reads  # reused: the one copy
+    assert reads[4] == 2, reads  # the other loss's verdict is the latest: decided again at its own
+    assert reads[3] > 2  # checked: the check's own reads
+
+
 def test_first_and_paused_calls_filter_nothing(device, planned):
     # Without a tile map nothing measures what a filter costs: the call runs exact (a tile kernel's own
     # filter would skip tiles unchecked: dE 5.4e-2 at 2^-8).

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import memory, strategies
 from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
@@ -40,7 +40,7 @@ from . import accuracy, explain, filters
 from .budget import memory_budget
 
 __all__ = ["choose_impl", "plan_call", "plan_forward", "plan_gradients", "plan_backward", "plan_fused",
-           "fused_allowed", "records_map", "call_budget", "with_forward_tiles", "check_filter", "fingerprint", "decide", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
+           "fused_allowed", "records_map", "call_budget", "with_forward_tiles", "check_filter", "fingerprint", "fingerprint_tensor", "decide", "Decision", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
 
 
 # -- 1. the call ----------------------------------------------------------------------------------
@@ -246,6 +246,31 @@ def _agreed(shards, flags: list) -> list:
     return [x > 0 for x in shards.min_([1.0 if f else 0.0 for f in flags])]
 
 
+def _measured(filter_eps: float, eps: float | None, direction) -> str | None:
+    """What the accuracy check's choice of ``eps`` (from the call's ``filter_eps``) and its correction
+    ``direction`` add to the plan's reason."""
+    measured = None
+    if eps != filter_eps:
+        measured = (f"filter_eps lowered to {eps:.2g} by the measured dE error (at most {filters.MAX_ERROR:g})"
+                    if eps is not None else
+                    f"every filter_eps down to {filters.ladder(filter_eps, filters.CHECK_RUNGS)[-1]:.2g} "
+                    f"costs dE more than {filters.MAX_ERROR:g} (measured): exact")
+    if direction is not None:
+        measured = (measured + "; " if measured else "") + "the dead-tile correction (measured)"
+    return measured
+
+
+def _likely_verdict(ev: Evidence, filter_eps: float, correctable: bool) -> tuple | None:
+    """``(verdict, filter_eps)``: the classifier's most recent verdict that this call may reuse if its
+    fingerprint matches, and the filter it chose; None where there is none, or where the call is one
+    shard of a vocabulary-parallel call (the shards agree on a verdict first: see :func:`check_filter`)."""
+    if ev.shards is not None:
+        return None
+    cands = filters.ladder(filter_eps, filters.CHECK_RUNGS)
+    stored = [v for v in memory.verdicts(ev.c, filter_eps, correctable) if v.choice < len(cands)]
+    return (stored[0], cands[stored[0].choice]) if stored else None
+
+
 def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused_allowed: bool,
                    max_extra_memory="auto") -> CallPlan:
     """The backward's part of ``plan``: the filter it applies, the strategy and its sizes, the
@@ -264,29 +289,42 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
             measured = "another vocabulary shard of the call has no tile map: exact"
         can_check = least[0] > 0
         eps = least[1] if can_check else None
+    budget = call_budget(p, max_extra_memory, plan.forward.convert_classifier)
+    decided = None
     if can_check:
         correctable = (bw.strategy == "auto" or strategies.get(bw.strategy).takes_correction) \
             and not plan.deterministic
-        eps, checked, direction = check_filter(
-            ev, eps, bw.block_b, bw.block_v, costs, correctable=correctable,
-            admissible=lambda x: float(dropped_share(tmap, ev.lse, x)) <= costs.max_dropped)  # (one host copy each)
+        seen = None
+        likely = _likely_verdict(ev, eps, correctable) if filters.MAX_ERROR < float("inf") else None
+        if likely is not None:
+            # The classifier's last verdict will most likely be reused: the backward is decided at its
+            # filter, and this call's fingerprint rides on the same host copy; if it does not match,
+            # the verdicts are looked at again with it (and the call checked) before deciding again.
+            verdict, at = likely
+            decided = decide(p, bw, at, tmap, ev.lse, budget=budget, costs=costs, fused_allowed=fused_allowed,
+                             deterministic=plan.deterministic, why=_measured(plan.filter_eps, at, verdict.direction),
+                             correction=verdict.direction is not None, extra=fingerprint_tensor(ev, costs.check_rows))
+            seen = _fingerprint_values(decided.extra)
+            if _alike(verdict.fingerprint, seen):
+                memory.use_verdict(c, verdict)
+                eps, direction = at, verdict.direction
+            else:
+                decided = None
+        if decided is None:
+            eps, checked, direction = check_filter(
+                ev, eps, bw.block_b, bw.block_v, costs, correctable=correctable, seen=seen,
+                admissible=lambda x: float(dropped_share(tmap, ev.lse, x)) <= costs.max_dropped)  # (one copy each)
         explain.report_check(p, checked, filters.MAX_ERROR)
-        if eps != plan.filter_eps:
-            measured = (f"filter_eps lowered to {eps:.2g} by the measured dE error (at most {filters.MAX_ERROR:g})"
-                        if eps is not None else
-                        f"every filter_eps down to {filters.ladder(plan.filter_eps, filters.CHECK_RUNGS)[-1]:.2g} "
-                        f"costs dE more than {filters.MAX_ERROR:g} (measured): exact")
-        if direction is not None:
-            measured = (measured + "; " if measured else "") + "the dead-tile correction (measured)"
+        measured = _measured(plan.filter_eps, eps, direction)
     elif eps is not None and filters.MAX_ERROR < float("inf"):
         # No tile map (a classifier's first call, a paused one, a variant without the map): nothing
         # measures what the filter would cost, so nothing is filtered.
         eps = None
         measured = "no tile map to check the filter against: exact"
-    budget = call_budget(p, max_extra_memory, plan.forward.convert_classifier)
-    chosen, live, blocks, pause, reported, columns = decide(p, bw, eps, tmap, ev.lse, budget=budget, costs=costs,
-                                                            fused_allowed=fused_allowed, deterministic=plan.deterministic,
-                                                            why=measured, correction=direction is not None)
+    if decided is None:
+        decided = decide(p, bw, eps, tmap, ev.lse, budget=budget, costs=costs, fused_allowed=fused_allowed,
+                         deterministic=plan.deterministic, why=measured, correction=direction is not None)
+    chosen, live, blocks, pause, reported, columns = decided[:6]
     measured_exact = can_check and eps is None  # the check's verdict: exact
     if can_check and not _agreed(ev.shards, [not pause])[0] and not pause:
         # Another shard found that filtering cannot pay and runs exact: so does this one (its dropped
@@ -294,7 +332,7 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
         why = "another vocabulary shard of the call pauses: exact"
         chosen, live, blocks, _, reported, columns = decide(p, bw, None, tmap, ev.lse, budget=budget, costs=costs,
                                                             fused_allowed=fused_allowed, deterministic=plan.deterministic,
-                                                            why=why)
+                                                            why=why)[:6]
         pause = True
     if measured_exact:
         pause = True  # the forward stops walking and mapping until the next check
@@ -336,14 +374,15 @@ def with_forward_tiles(plan: BackwardPlan, variants) -> BackwardPlan:
 
 
 def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, costs, *, correctable: bool = False,
-                 rungs=None, admissible=None) -> tuple:
+                 rungs=None, admissible=None, seen=None) -> tuple:
     """``(filter_eps, measured, direction)``: the filter the accuracy check chooses on the ladder below
     ``filter_eps`` (the rungs :data:`~cce_autotune.planning.filters.CHECK_RUNGS`, or ``rungs``) for a
     backward of (``block_b`` x ``block_v``) tiles that launches from ``ev.tile_map`` (None: even the
     smallest costs too much, run exact); what it measured this call (nothing when a remembered verdict
     applies); the dead-tile correction's direction when the chosen filter needs it and ``correctable``
     says the call can take it (else None). ``admissible(filter_eps) -> bool``: the candidates that may
-    run at all (the dropped-mass guard), None: all.
+    run at all (the dropped-mass guard), None: all. ``seen``: the call's :func:`fingerprint`, where the
+    caller has it already.
 
     A verdict is measured on a classifier's first mapped call and reused for at most
     ``costs.check_every`` calls, and only by a call like the one it was measured on
@@ -356,7 +395,7 @@ def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, co
         return filter_eps, (), None
     cands = filters.ladder(filter_eps, filters.CHECK_RUNGS if rungs is None else rungs)
     stored = [v for v in memory.verdicts(ev.c, filter_eps, correctable) if v.choice < len(cands)]
-    now = fingerprint(ev, costs.check_rows) if stored else None
+    now = (seen or fingerprint(ev, costs.check_rows)) if stored else seen
     reuse = next((v for v in stored if _alike(v.fingerprint, now)), None)
     if ev.shards is not None:  # every shard reuses the same choice, or all measure afresh
         k = reuse.choice if reuse is not None else -1.0
@@ -389,6 +428,18 @@ def fingerprint(ev: Evidence, sample: int) -> tuple:
     moves little from one training step to the next); ``rows``: the mean of the check's sampled rows
     (the rows with a gradient) projected on 16 fixed random directions; ``loss``: their mean loss
     (LSE minus the target logit), which tells apart another loss's targets on the same rows."""
+    return _fingerprint_values(fingerprint_tensor(ev, sample).tolist())
+
+
+def _fingerprint_values(host: list) -> tuple:
+    """:func:`fingerprint` from the host values of :func:`fingerprint_tensor`."""
+    k = len(host) - PROBES - 1
+    return tuple(host[:k]), tuple(host[k:k + PROBES]), host[-1]
+
+
+def fingerprint_tensor(ev: Evidence, sample: int):
+    """:func:`fingerprint`'s numbers on the device (a 1-d fp32 tensor: the classifier's probes, the
+    rows' 16 projections, the loss), for a caller that copies them with others."""
     c, e = ev.c, ev.e
     V, D = c.shape
     directions, probe_rows = _probes(D, V, c.device)
@@ -398,9 +449,7 @@ def fingerprint(ev: Evidence, sample: int) -> tuple:
     n = valid.sum().clamp_min(1.0)
     rows = (valid @ e.reshape(-1, D)[ev.rows[idx]].float()) / n @ directions
     nll = torch.where(valid > 0, ev.lse[idx] - ev.tile_map.zt[idx].float(), 0.0).sum() / n
-    host = torch.cat([classifier, rows, nll.reshape(1)]).tolist()
-    k = classifier.shape[0]
-    return tuple(host[:k]), tuple(host[k:k + PROBES]), host[-1]
+    return torch.cat([classifier, rows, nll.reshape(1)])
 
 
 @lru_cache(maxsize=16)
@@ -429,10 +478,22 @@ def _alike(then, now) -> bool:
             and abs(l0 - l1) <= LOSS_DRIFT * max(abs(l0), abs(l1), 1.0))
 
 
+class Decision(NamedTuple):
+    """What :func:`decide` found."""
+
+    plan: BackwardPlan
+    live: Any  # the live grid (device), None unless the plan launches from the map
+    blocks: Any  # the chosen strategy's live blocks (host), or None
+    pause: bool
+    checked: str
+    columns: Any  # the live tiles of each tile column (host ints), or None
+    extra: Any = None  # the host values of ``extra``, or None
+
+
 def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | None, costs,
            fused_allowed: bool = False, deterministic: bool = False, why: str | None = None,
-           correction: bool = False) -> tuple:
-    """``(plan, live, blocks, pause, checked, columns)`` of a call's backward, measured.
+           correction: bool = False, extra=None) -> Decision:
+    """``(plan, live, blocks, pause, checked, columns, extra)`` of a call's backward, measured.
 
     With the forward's ``tile_map`` (and filtering), the live grid is built on the device, each
     strategy's live blocks are derived from it, and all reach the host in one copy, with the count of
@@ -444,13 +505,17 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
     now: the forward and a mapped backward cost about as much as the best plan that filters nothing
     (the fused one where ``fused_allowed``), so this call runs that exact plan too. ``why``: how the
     accuracy check chose ``filter_eps``, put before the plan's reason; ``correction``: a filtering
-    plan must take the dead-tile correction. ``checked``: the text the plan is reported with."""
+    plan must take the dead-tile correction. ``checked``: the text the plan is reported with.
+    ``extra``: a 1-d device tensor the caller wants on the host too; it rides on the same copy (or,
+    without a map, a copy of its own), and its values come back as ``extra``."""
     exact = filter_eps is None
-    live = columns = None
+    live = columns = extra_host = None
     share = None
     block_lists: dict = {}
     block_shares: dict = {}
     eps, lossy = filter_eps, None
+    if extra is not None and (tile_map is None or exact or p.n == 0):
+        extra_host, extra = extra.tolist(), None
     if tile_map is not None and not exact and p.n > 0:
         ctx = PlanContext(problem=p, variant=variant, costs=costs, budget=budget, use_map=True, live=1.0,
                           live_blocks=1.0, n_live=0, fixed=0.0, exact=False)
@@ -459,7 +524,11 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
             grids = [(s.name, g) for s in strategies.all_strategies() if (g := s.blocks(live, ctx)) is not None]
             dropped = dropped_share(tile_map, lse, eps)
             host = torch.cat([dropped.view(1).double(), live.sum(0).double(),
-                              *(g.double() for _, g in grids)]).tolist()  # one copy
+                              *(g.double() for _, g in grids),
+                              *((extra.double(),) if extra is not None else ())]).tolist()  # one copy
+            if extra is not None:
+                extra_host, host = host[len(host) - extra.numel():], host[:len(host) - extra.numel()]
+                extra = None  # (the first rung's copy brought it)
             if host[0] <= costs.max_dropped:
                 break
         else:
@@ -480,7 +549,7 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
                              deterministic=deterministic)
         plan = replace(plan, reason=f"filtering would drop {lossy:.1e} of the gradient's mass even at filter_eps "
                                     f"{eps:.2g} (at most {costs.max_dropped:g}): exact; " + plan.reason)
-        return plan, None, None, True, "", None
+        return Decision(plan, None, None, True, "", None, extra_host)
     plan = plan_backward(natural if exact else p, variant, has_map=tile_map is not None, live=share,
                          live_blocks=block_shares, budget=budget, costs=costs, exact=exact, deterministic=deterministic,
                          correction=correction)
@@ -503,7 +572,7 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
         live, blocks, columns = None, None, None
     else:
         blocks = block_lists.get(plan.strategy)
-    return plan, live, blocks, pause, why or "", columns
+    return Decision(plan, live, blocks, pause, why or "", columns, extra_host)
 
 
 # -- the choice of a strategy --------------------------------------------------------------------
