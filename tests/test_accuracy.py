@@ -386,15 +386,21 @@ def test_another_classifier_at_the_same_storage_is_measured_afresh(device, monke
     assert not planned[-1].call.checked  # ... and its own verdict is reused in turn
 
 
-def test_two_losses_on_one_classifier_keep_their_own_verdicts(device, monkeypatch, set_costs, planned):
-    # An auxiliary loss on the same lm_head: its rows' softmax falls otherwise in the dead tiles, so
-    # the verdict measured on one loss's rows is never applied to the other's, and each keeps its own.
+def _two_losses(device, monkeypatch, set_costs):
+    """``(c, variants, (e, t), (e2, t2))``: a classifier with a remembered order and the rows of two
+    losses on it (peaked, flat); every filter passes the check and nothing pauses."""
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=2.0, seed=5, device=device)
     e2, _, t2, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.0, seed=6, device=device)
     monkeypatch.setattr(filters, "MAX_ERROR", 1.0)
     set_costs(max_dropped=math.inf, pause_share=math.inf)
-    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
     prime_order(c, e, "sorted")
+    return c, MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6)), (e, t), (e2, t2)
+
+
+def test_two_losses_on_one_classifier_keep_their_own_verdicts(device, monkeypatch, set_costs, planned):
+    # An auxiliary loss on the same lm_head: its rows' softmax falls otherwise in the dead tiles, so
+    # the verdict measured on one loss's rows is never applied to the other's, and each keeps its own.
+    c, kv, (e, t), (e2, t2) = _two_losses(device, monkeypatch, set_costs)
     measured = []
     for rows, targets in ((e, t), (e2, t2), (e, t), (e2, t2), (e, t)):
         _mapped_call(rows, c, targets, kv)
@@ -409,12 +415,7 @@ def test_a_call_that_reuses_a_verdict_reads_back_once(device, monkeypatch, set_c
     # older verdict that matches: a second copy, no check.
     from cce_autotune.planning import planner
 
-    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=2.0, seed=5, device=device)
-    e2, _, t2, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.0, seed=6, device=device)
-    monkeypatch.setattr(filters, "MAX_ERROR", 1.0)
-    set_costs(max_dropped=math.inf, pause_share=math.inf)
-    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
-    prime_order(c, e, "sorted")
+    c, kv, (e, t), (e2, t2) = _two_losses(device, monkeypatch, set_costs)
     real_plan = planner.plan_gradients
     reads = []
 
