@@ -359,6 +359,45 @@ def test_check_takes_the_correction_where_the_plain_filter_is_not_accurate(devic
     assert not plan.use_map and d is None
 
 
+@pytest.mark.parametrize("cheaper", ["plain", "corrected"])
+def test_the_planner_weighs_the_corrected_filter_against_a_smaller_plain_one(cheaper, device, monkeypatch,
+                                                                              set_costs, planned):
+    # Where the check's first passing filter needs the correction (only the chunked strategy takes it),
+    # it goes on to the first filter that passes plain, and the planner runs whichever of the two its
+    # cost model prices lower: the tile kernel at the smaller filter, or the chunked one corrected.
+    # (On the H200, Gemma 2's head LM-like: 54.0 ms with tiles against 64.5 with the correction.)
+    e, c, t = _clustered()
+    e, c, t = e.to(device), c.to(device), t.to(device)
+    eps = 2.0**-6
+    _, ref = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
+    slow = dict(chunk_ms=100.0) if cheaper == "plain" else \
+        dict(tiles_per_live=1e3, sparse_per_live=1e3, chunk_ms=0.0, gather_chunk_ms=0.0)  # (no host time: tiny)
+    set_costs(max_dropped=math.inf, pause_share=math.inf, **slow)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
+
+    def run(limit):
+        monkeypatch.setattr(filters, "MAX_ERROR", limit)
+        memory.clear()
+        ee, cc = e.clone().requires_grad_(), c.clone()
+        prime_order(cc, ee, "sorted")
+        linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
+        return rel_err(ee.grad, ref[0]), planned[-1].call
+
+    plain, call = run(math.inf)  # the check off: the plain filter at eps
+    assert call.run_eps == eps and call.correction is None
+    limit = plain / 3
+    err, call = run(limit)
+    measured = {m[0]: (m[1], m[2]) for m in call.checked}
+    assert measured[eps][1], measured  # eps passes only corrected ...
+    smaller = [x for x, (_, fixed) in measured.items() if x < eps and not fixed and measured[x][0] <= limit]
+    assert smaller, measured  # ... and a smaller filter passes plain
+    if cheaper == "plain":
+        assert call.run_eps == max(smaller) and call.correction is None and call.backward.strategy == "tiles"
+    else:
+        assert call.run_eps == eps and call.correction is not None and call.backward.strategy == "chunked"
+    assert err < limit, (err, limit)
+
+
 # -- what is remembered is a hint: only calls like the one measured reuse a verdict ---------------
 def _mapped_call(e, c, t, kv, **kw):
     ee = e.clone().requires_grad_()

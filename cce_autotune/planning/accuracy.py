@@ -205,15 +205,19 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
           coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None, correctable: bool = False,
           admissible=None, max_error: float = MAX_ERROR, group: int = GROUP,
           confidence: float = CONFIDENCE, shards=None) -> tuple:
-    """``(index, measured, direction)``: the position in ``candidates`` (filters, largest first) of the
-    first whose measured dE error on this call stays within ``max_error``, or None (none does: run
-    exact), for a backward that launches from the forward's tile map ``tmap``; ``measured``: the
+    """``(index, measured, direction, plain)``: the position in ``candidates`` (filters, largest first)
+    of the first whose measured dE error on this call stays within ``max_error``, or None (none does:
+    run exact), for a backward that launches from the forward's tile map ``tmap``; ``measured``: the
     ``(candidate, error, corrected)`` triples measured. The candidates are measured lazily: the
     first alone, then ``group`` at a time, until one passes.
 
     ``correctable``: the backward can take the dead-tile correction (see :func:`filter_fit`). A
-    candidate's error is then the corrected one where that is smaller, and ``direction`` (D,) fp32 is
-    the correction's direction when the chosen candidate needs it (else None: the plain filter).
+    candidate whose plain error passes runs plain; one whose plain error does not is taken with the
+    correction where its corrected error passes, and ``direction`` (D,) fp32 is then the correction's
+    direction (else None). The correction narrows the strategies that may run (not every one takes it),
+    so when the chosen candidate needs it the measuring goes on to the first candidate that passes
+    plain: ``plain`` is its position (None: no such candidate, or the chosen one is plain), for the
+    planner to weigh the two.
     ``admissible(filter_eps) -> bool``: whether a candidate may run at all (the planner's
     dropped-mass guard); one that may not is not measured and does not pass, so that the filter that
     runs drops what the check measured (and the direction was fitted to).
@@ -243,11 +247,12 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
         raw, corr, dirs = filter_fit(e_rows, c, bias, t_s, lse_s, softcap, tile, dead, cs, ct, width, confidence, shards)
         out = []
         for k, (x, y) in enumerate(zip(raw.tolist(), corr.tolist())):
-            fix = correctable and y < x
+            fix = correctable and x > max_error and y < x
             out.append((y if fix else x, dirs[k] if fix else None))
             measured.append((eps_list[k], out[-1][0], fix))
         return out
 
+    chosen = None  # (index, direction) of the first candidate that passes
     start = 0
     for size in (1, *(group,) * len(cands)):  # the first candidate, then ``group`` at a time
         part = cands[start:start + size]
@@ -261,7 +266,16 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
         for i, r in zip(allowed, errors([part[i] for i in allowed]) if allowed else ()):
             res[i] = r
         passed = [i for i, (x, _) in enumerate(res) if x <= max_error]
-        if passed:
-            return start + passed[0], tuple(measured), res[passed[0]][1]
+        if passed and chosen is None:
+            chosen = start + passed[0], res[passed[0]][1]
+            passed = passed[1:]
+        if chosen is not None:
+            if chosen[1] is None:  # plain: nothing to weigh
+                return chosen[0], tuple(measured), None, None
+            plain = next((i for i in passed if res[i][1] is None), None)
+            if plain is not None:
+                return chosen[0], tuple(measured), chosen[1], start + plain
         start += size
-    return None, tuple(measured), None
+    if chosen is not None:
+        return chosen[0], tuple(measured), chosen[1], None
+    return None, tuple(measured), None, None

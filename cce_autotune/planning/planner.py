@@ -311,8 +311,15 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
             else:
                 decided = None
         if decided is None:
+            def cheaper(corrected, plain) -> bool:  # (the two backwards' estimates; one copy each)
+                costs_of = [decide(p, bw, x, tmap, ev.lse, budget=budget, costs=costs, fused_allowed=fused_allowed,
+                                   deterministic=plan.deterministic, correction=fix).plan.cost
+                            for x, fix in ((corrected[0], True), (plain, False))]
+                return costs_of[0] <= costs_of[1]
+
             eps, checked, direction = check_filter(
                 ev, eps, bw.block_b, bw.block_v, costs, correctable=correctable, seen=seen,
+                cheaper=cheaper if ev.shards is None else None,  # (shards: the same choice on every shard)
                 admissible=lambda x: float(dropped_share(tmap, ev.lse, x)) <= costs.max_dropped)  # (one copy each)
         explain.report_check(p, checked, filters.MAX_ERROR)
         measured = _measured(plan.filter_eps, eps, direction)
@@ -374,7 +381,7 @@ def with_forward_tiles(plan: BackwardPlan, variants) -> BackwardPlan:
 
 
 def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, costs, *, correctable: bool = False,
-                 rungs=None, admissible=None, seen=None) -> tuple:
+                 rungs=None, admissible=None, seen=None, cheaper=None) -> tuple:
     """``(filter_eps, measured, direction)``: the filter the accuracy check chooses on the ladder below
     ``filter_eps`` (the rungs :data:`~cce_autotune.planning.filters.CHECK_RUNGS`, or ``rungs``) for a
     backward of (``block_b`` x ``block_v``) tiles that launches from ``ev.tile_map`` (None: even the
@@ -382,7 +389,9 @@ def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, co
     applies); the dead-tile correction's direction when the chosen filter needs it and ``correctable``
     says the call can take it (else None). ``admissible(filter_eps) -> bool``: the candidates that may
     run at all (the dropped-mass guard), None: all. ``seen``: the call's :func:`fingerprint`, where the
-    caller has it already.
+    caller has it already. ``cheaper(corrected, plain) -> bool``: where the chosen filter needs the
+    correction and a smaller one passes without it, whether the corrected one (a filter, its direction)
+    runs faster than the plain one (a filter); None: the corrected one is taken.
 
     A verdict is measured on a classifier's first mapped call and reused for at most
     ``costs.check_every`` calls, and only by a call like the one it was measured on
@@ -404,11 +413,13 @@ def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, co
     if reuse is not None:
         memory.use_verdict(ev.c, reuse)
         return cands[reuse.choice], (), reuse.direction
-    index, measured, direction = accuracy.check(
+    index, measured, direction, plain = accuracy.check(
         ev.e, ev.c, ev.bias, ev.rows, ev.targets, ev.lse, ev.softcap, ev.tile_map, block_b, block_v, cands,
         sample=costs.check_rows, max_bytes=costs.check_bytes, coef_s=ev.coef_s, coef_t=ev.coef_t,
         correctable=correctable, admissible=admissible, max_error=filters.MAX_ERROR, group=filters.GROUP,
         shards=ev.shards)
+    if plain is not None and cheaper is not None and not cheaper((cands[index], direction), cands[plain]):
+        index, direction = plain, None
     if index is None:  # (an exact verdict is not remembered: the classifier pauses instead)
         return None, measured, None
     memory.remember_verdict(ev.c, memory.Verdict(filter_eps, index, costs.check_every, direction,
