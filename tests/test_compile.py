@@ -112,6 +112,41 @@ def test_fake_tensor_mode():
     assert loss.shape == (3,) and loss.dtype == torch.float32
 
 
+def test_the_operators_stay_out_of_cuda_graph_trees():
+    # A CUDA-graph tree's replay runs none of an operator's host work (the planner, the state on the
+    # handle): the operators say so, and Inductor keeps them out of its graphs ("reduce-overhead" failed
+    # on the H200 at the second compiled step without the tag: AssertionError in the graph trees).
+    tag = getattr(torch._C.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        pytest.skip("this PyTorch has no cudagraph_unsafe tag")
+    for op in (torch.ops.cce_autotune.lce_forward.default, torch.ops.cce_autotune.lce_backward.default):
+        assert tag in op.tags
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [{}, dict(filter_eps=None)], ids=["default", "exact"])
+def test_a_step_compiled_with_reduce_overhead_matches_eager(mode):
+    lin = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+    e, c0, t, _ = make_inputs((2, 48), 300, 64, torch.bfloat16, device="cuda", peaked=3.0)
+    c = torch.nn.Parameter(c0.clone())
+
+    def step(x):
+        lin.zero_grad(set_to_none=True)
+        c.grad = None
+        loss = linear_cross_entropy(lin(x), c, t, **mode)
+        loss.backward()
+        return loss.detach()
+
+    want = step(e)
+    want_grads = c.grad.clone(), lin.weight.grad.clone()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for _ in range(4):
+        got = compiled(e)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(c.grad, want_grads[0]) < 1e-3 and rel_err(lin.weight.grad, want_grads[1]) < 1e-3
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", [dict(filter_eps=None), dict(filter_eps=None, deterministic=True),
                                   dict(filter_eps=None, max_extra_memory=None)], ids=["exact", "deterministic", "fused"])

@@ -143,7 +143,12 @@ class _NoAutocast:
             self.ctx.__exit__(*exc)
 
 
-@torch.library.custom_op("cce_autotune::lce_forward", mutates_args=())
+# Not for CUDA-graph trees (torch.compile's "reduce-overhead"): a replay runs none of an operator's
+# host work (the planner, what rides on the handle), so Inductor keeps the operators out of its graphs.
+_TAGS = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("cce_autotune::lce_forward", mutates_args=(), tags=_TAGS)
 def lce_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                 token_weights: Optional[torch.Tensor], options: str, needs_grad: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,7 +169,7 @@ def _lce_forward_fake(e, c, bias, targets, token_weights, options, needs_grad):
     return loss, e.new_empty((n,), dtype=torch.float32), torch.empty((), dtype=torch.int64, device="cpu")
 
 
-@torch.library.custom_op("cce_autotune::lce_backward", mutates_args=())
+@torch.library.custom_op("cce_autotune::lce_backward", mutates_args=(), tags=_TAGS)
 def lce_backward(grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], e: torch.Tensor,
                  c: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                  token_weights: Optional[torch.Tensor], lse: torch.Tensor, handle: torch.Tensor, options: str
