@@ -398,6 +398,29 @@ def test_the_planner_weighs_the_corrected_filter_against_a_smaller_plain_one(che
     assert err < limit, (err, limit)
 
 
+def test_without_a_weighing_the_check_stops_at_the_corrected_filter(device, monkeypatch):
+    # (The shards of a vocabulary-parallel call take the corrected filter, all alike: nothing there
+    # asks for the plain alternative, and the check measures no further than the first that passes.)
+    e, c, t = _clustered()
+    e, c, t = e.to(device), c.to(device), t.to(device)
+    lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
+    ev = planner.Evidence(e=e, c=c, bias=None, rows=torch.arange(e.shape[0], device=device), targets=t, lse=lse,
+                          softcap=None, tile_map=tmap, coef_s=None, coef_t=None)
+    model = costs.builtin()
+    plain_err = accuracy.check(e, c, None, ev.rows, t, lse, None, tmap, 16, 16, [2.0**-6], sample=64,
+                               max_bytes=model.check_bytes, max_error=math.inf)[1][0][1]
+    monkeypatch.setattr(filters, "MAX_ERROR", plain_err / 3)
+    monkeypatch.setattr(filters, "GROUP", 1)
+    runs = {}
+    for name, cheaper in (("none", None), ("plain cheaper", lambda corrected, plain: False)):
+        memory.clear()
+        runs[name] = planner.check_filter(ev, 2.0**-6, 16, 16, model, correctable=True, cheaper=cheaper)
+    eps, measured, direction = runs["none"]
+    assert eps == 2.0**-6 and direction is not None and len(measured) == 1
+    eps, measured, direction = runs["plain cheaper"]
+    assert eps < 2.0**-6 and direction is None and len(measured) > 1 and not measured[-1][2]
+
+
 # -- what is remembered is a hint: only calls like the one measured reuse a verdict ---------------
 def _mapped_call(e, c, t, kv, **kw):
     ee = e.clone().requires_grad_()

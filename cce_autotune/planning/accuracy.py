@@ -204,7 +204,7 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
           softcap, tmap, block_b: int, block_v: int, candidates, *, sample: int, max_bytes: int,
           coef_s: torch.Tensor | None = None, coef_t: torch.Tensor | None = None, correctable: bool = False,
           admissible=None, max_error: float = MAX_ERROR, group: int = GROUP,
-          confidence: float = CONFIDENCE, shards=None) -> tuple:
+          confidence: float = CONFIDENCE, shards=None, weigh: bool = True) -> tuple:
     """``(index, measured, direction, plain)``: the position in ``candidates`` (filters, largest first)
     of the first whose measured dE error on this call stays within ``max_error``, or None (none does:
     run exact), for a backward that launches from the forward's tile map ``tmap``; ``measured``: the
@@ -215,9 +215,9 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
     candidate whose plain error passes runs plain; one whose plain error does not is taken with the
     correction where its corrected error passes, and ``direction`` (D,) fp32 is then the correction's
     direction (else None). The correction narrows the strategies that may run (not every one takes it),
-    so when the chosen candidate needs it the measuring goes on to the first candidate that passes
-    plain: ``plain`` is its position (None: no such candidate, or the chosen one is plain), for the
-    planner to weigh the two.
+    so when the chosen candidate needs it (and ``weigh`` asks for the alternative) the measuring goes
+    on to the first candidate that passes plain: ``plain`` is its position (None: no such candidate,
+    the chosen one is plain, or not ``weigh``), for the planner to weigh the two.
     ``admissible(filter_eps) -> bool``: whether a candidate may run at all (the planner's
     dropped-mass guard); one that may not is not measured and does not pass, so that the filter that
     runs drops what the check measured (and the direction was fitted to).
@@ -270,8 +270,8 @@ def check(e: torch.Tensor, c: torch.Tensor, bias, rows: torch.Tensor, targets: t
             chosen = start + passed[0], res[passed[0]][1]
             passed = passed[1:]
         if chosen is not None:
-            if chosen[1] is None:  # plain: nothing to weigh
-                return chosen[0], tuple(measured), None, None
+            if chosen[1] is None or not weigh:  # plain, or nothing to weigh it against
+                return chosen[0], tuple(measured), chosen[1], None
             plain = next((i for i in passed if res[i][1] is None), None)
             if plain is not None:
                 return chosen[0], tuple(measured), chosen[1], start + plain

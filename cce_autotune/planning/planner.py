@@ -417,8 +417,8 @@ def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, co
         ev.e, ev.c, ev.bias, ev.rows, ev.targets, ev.lse, ev.softcap, ev.tile_map, block_b, block_v, cands,
         sample=costs.check_rows, max_bytes=costs.check_bytes, coef_s=ev.coef_s, coef_t=ev.coef_t,
         correctable=correctable, admissible=admissible, max_error=filters.MAX_ERROR, group=filters.GROUP,
-        shards=ev.shards)
-    if plain is not None and cheaper is not None and not cheaper((cands[index], direction), cands[plain]):
+        shards=ev.shards, weigh=cheaper is not None)
+    if plain is not None and not cheaper((cands[index], direction), cands[plain]):
         index, direction = plain, None
     if index is None:  # (an exact verdict is not remembered: the classifier pauses instead)
         return None, measured, None
