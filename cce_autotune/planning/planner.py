@@ -266,9 +266,16 @@ def _likely_verdict(ev: Evidence, filter_eps: float, correctable: bool) -> tuple
     shard of a vocabulary-parallel call (the shards agree on a verdict first: see :func:`check_filter`)."""
     if ev.shards is not None:
         return None
-    cands = filters.ladder(filter_eps, filters.CHECK_RUNGS)
-    stored = [v for v in memory.verdicts(ev.c, filter_eps, correctable) if v.choice < len(cands)]
+    cands, stored = _verdicts(ev, filter_eps, correctable)
     return (stored[0], cands[stored[0].choice]) if stored else None
+
+
+def _verdicts(ev: Evidence, filter_eps: float, correctable: bool, rungs=None) -> tuple:
+    """``(candidates, verdicts)``: the check's candidate filters below ``filter_eps`` (the rungs
+    :data:`~cce_autotune.planning.filters.CHECK_RUNGS`, or ``rungs``) and the classifier's remembered
+    verdicts that may name one of them, most recent first."""
+    cands = filters.ladder(filter_eps, filters.CHECK_RUNGS if rungs is None else rungs)
+    return cands, [v for v in memory.verdicts(ev.c, filter_eps, correctable) if v.choice < len(cands)]
 
 
 def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused_allowed: bool,
@@ -402,8 +409,7 @@ def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, co
     every shard finds the same one, and measure together (see :func:`~.accuracy.check`)."""
     if not filters.MAX_ERROR < float("inf"):
         return filter_eps, (), None
-    cands = filters.ladder(filter_eps, filters.CHECK_RUNGS if rungs is None else rungs)
-    stored = [v for v in memory.verdicts(ev.c, filter_eps, correctable) if v.choice < len(cands)]
+    cands, stored = _verdicts(ev, filter_eps, correctable, rungs)
     now = (seen or fingerprint(ev, costs.check_rows)) if stored else seen
     reuse = next((v for v in stored if _alike(v.fingerprint, now)), None)
     if ev.shards is not None:  # every shard reuses the same choice, or all measure afresh
