@@ -36,6 +36,7 @@ from typing import Any
 
 import jinja2
 
+from .launch import Launcher
 from .paths import cache_dir, resource_dir
 
 __all__ = ["Flags", "render_source", "load_kernel", "template_hash", "template_files", "interpreting"]
@@ -163,6 +164,7 @@ def source_key(variant, flags: Flags) -> str:
 
 _lock = threading.Lock()
 _modules: dict[tuple, ModuleType] = {}
+_launchers: dict[str, dict] = {}  # module name -> {kernel name: Launcher}
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -180,11 +182,24 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def load_kernel(variant, flags: Flags = Flags(), name: str | None = None):
     """Render (once), cache on disk (once) and import the kernel; returns the ``@triton.jit`` function
-    (``variant.kernel_function``, or ``name`` for templates that hold several kernels)."""
+    (``variant.kernel_function``, or ``name`` for templates that hold several kernels) in its
+    :class:`~cce_autotune.launch.Launcher` (launched the same way: ``kernel[grid](...)``)."""
     check_interpret_mode()
     mod = _cached_module((variant, flags), lambda: _import_source(
         f"cce_{variant.kernel}_{source_key(variant, flags)}", render_source(variant, flags)))
-    return getattr(mod, name or variant.kernel_function)
+    return _launcher(mod, name or variant.kernel_function)
+
+
+def _launcher(mod: ModuleType, name: str) -> Launcher:
+    """The :class:`~cce_autotune.launch.Launcher` of the module's kernel ``name`` (one per kernel and
+    process: it keeps the kernel's compiled specializations)."""
+    launchers = _launchers.get(mod.__name__)
+    if launchers is None:
+        launchers = _launchers.setdefault(mod.__name__, {})
+    found = launchers.get(name)
+    if found is None:
+        found = launchers.setdefault(name, Launcher(getattr(mod, name), interpreted=_INTERPRET_AT_IMPORT))
+    return found
 
 
 def _cached_module(key, make) -> ModuleType:
@@ -207,7 +222,8 @@ def render_utility(template: str, **switches: bool) -> str:
 
 
 def load_utility(template: str, function: str, **switches: bool):
-    """Render (once), cache and import a knob-free helper kernel; returns ``function`` from it."""
+    """Render (once), cache and import a knob-free helper kernel; returns ``function`` from it (in its
+    :class:`~cce_autotune.launch.Launcher`)."""
     check_interpret_mode()
 
     def make() -> ModuleType:
@@ -215,7 +231,7 @@ def load_utility(template: str, function: str, **switches: bool):
         digest = hashlib.sha256(source.encode()).hexdigest()[:20]
         return _import_source(f"cce_{template.split('.')[0]}_{digest}", source)
 
-    return getattr(_cached_module((template, tuple(sorted(switches.items()))), make), function)
+    return _launcher(_cached_module((template, tuple(sorted(switches.items()))), make), function)
 
 
 _unwritable: set = set()  # kernel folders already warned about

@@ -123,12 +123,13 @@ class Tiles(Strategy):
 
 def _launch(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, softcap, filter_eps,
             variant, tiles, de, dc, dbias, dc_lo: int | None = None, c_window: torch.Tensor | None = None,
-            unused_locks: torch.Tensor | None = None) -> None:
+            unused_locks: torch.Tensor | None = None, kernel=None) -> None:
     """The tile kernel over every tile (``tiles`` None) or the listed ones; with ``dc_lo``, ``dc`` is
     the fp32 scratch of the vocabulary window starting at walked position ``dc_lo``, and
     ``c_window`` (if given) that window's rows of C converted to e's dtype, read instead of C.
     ``unused_locks``: fp32 accumulation takes no locks; a caller that launches once per window passes
-    one int32 placeholder for them rather than two allocations per launch."""
+    one int32 placeholder for them rather than two allocations per launch, and ``kernel`` (what
+    :func:`_kernel` returns for these arguments: the same for every window)."""
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
     native = variant.accum == "native"
@@ -138,15 +139,16 @@ def _launch(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, 
         grid = (triton.cdiv(n_rows, variant.block_b) * triton.cdiv(V, variant.block_v),)
     if grid[0] == 0:
         return
-    fl = flags(e, c if c_window is None else c_window, bias, softcap, variant.block_d, rows,
-               tile_list=tiles is not None, dc_window=dc_lo is not None, c_local=c_window is not None)
+    if kernel is None:
+        kernel = _kernel(e, c if c_window is None else c_window, bias, rows, softcap, variant, tiles is not None,
+                         dc_lo is not None, c_window is not None)
     c_arg = c if c_window is None else c_window
     if native or unused_locks is None:
         locks_e = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
         locks_c = torch.zeros(variant.num_locks if native else 1, dtype=torch.int32, device=e.device)
     else:
         locks_e = locks_c = unused_locks
-    load_kernel(variant, fl)[grid](
+    kernel[grid](
         e, c_arg, bias if bias is not None else c, rows.offsets, target_pos, lse, coef_s, coef_t,
         perm if perm is not None else target_pos, tiles if tiles is not None else target_pos,
         de, rows.de_offsets, dc, dbias if dbias is not None else lse, locks_e, locks_c,
@@ -157,6 +159,12 @@ def _launch(e, c, bias, rows: RowLayout, target_pos, lse, coef_s, coef_t, perm, 
         GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
+
+
+def _kernel(e, c, bias, rows: RowLayout, softcap, variant, tile_list: bool, dc_window: bool, c_local: bool):
+    """The tile kernel for these arguments (``c``: what the kernel reads, C or a converted window)."""
+    return load_kernel(variant, flags(e, c, bias, softcap, variant.block_d, rows, tile_list=tile_list,
+                                      dc_window=dc_window, c_local=c_local))
 
 
 def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coef_t, coef_out, perm, softcap, filter_eps,
@@ -185,6 +193,7 @@ def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coe
     # indices, and the kernel's lock placeholder (fp32 accumulation takes no locks).
     cols = perm.long()
     no_locks = torch.zeros(1, dtype=torch.int32, device=dev)
+    kernel = _kernel(e, c if c_buf is None else c_buf, bias, rows, softcap, variant, True, True, c_buf is not None)
     first = 0
     for k, count in enumerate(counts):
         if count == 0:
@@ -194,7 +203,8 @@ def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coe
         scratch.zero_()
         window = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
         _launch(e, c, bias, rows, target_pos, lse, coef_s, coef_t, perm, softcap, 0.0, variant,  # (as in run)
-                tiles[first:first + count], de32, scratch, dbias, dc_lo=lo, c_window=window, unused_locks=no_locks)
+                tiles[first:first + count], de32, scratch, dbias, dc_lo=lo, c_window=window, unused_locks=no_locks,
+                kernel=kernel)
         first += count
         dc.index_copy_(0, cols[lo:lo + w], scratch[:w].to(dc.dtype))
     add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap, de32.view(-1, D), dc, dbias,
