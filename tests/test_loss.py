@@ -242,3 +242,40 @@ def test_fp16_gradients_keep_the_small_softmax_terms(mode, loss_scale, device):
     for got, want in zip((ee.grad, cc.grad, bb.grad), ref):
         assert torch.isfinite(got).all()
         assert rel_err(got, want) < 5e-4, (rel_err(ee.grad, ref[0]), rel_err(cc.grad, ref[1]), rel_err(bb.grad, ref[2]))
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_the_backward_takes_the_forward_s_call(monkeypatch, impl, device):
+    """One call prepares its rows, targets and weights once: the backward takes the forward's (its
+    inputs are the forward's), and a second backward through a retained graph prepares them again."""
+    from cce_autotune.runtime import ops
+
+    made = []
+    prepare = ops.prepare
+    monkeypatch.setattr(ops, "prepare", lambda *a, **k: made.append(1) or prepare(*a, **k))
+    e, c, t, _ = make_inputs((2, 9), 70, 16, torch.float32, device=device)
+    e.requires_grad_(); c.requires_grad_()
+    loss = linear_cross_entropy(e, c, t, impl=impl, variants=SMALL, shift=1)
+    loss.backward(retain_graph=True)
+    assert len(made) == 1
+    first = (e.grad.clone(), c.grad.clone())
+    e.grad = c.grad = None
+    loss.backward()  # (the state was used once: prepared and planned again, the same gradients)
+    assert len(made) == 2
+    assert torch.equal(e.grad, first[0]) and torch.equal(c.grad, first[1])
+
+
+def test_row_offsets_are_kept_per_shape_and_read_only(device):
+    from cce_autotune.runtime import call as call_mod
+
+    call_mod._OFFSETS.clear()
+    a = call_mod._grid_offsets((3, 5), [7, 1], torch.device(device))
+    assert a is call_mod._grid_offsets((3, 5), [7, 1], torch.device(device))
+    assert a.tolist() == [7 * i + j for i in range(3) for j in range(5)]
+    assert call_mod._grid_offsets((3, 5), [8, 1], torch.device(device)) is not a
+    with torch.inference_mode():  # (an inference tensor is not kept for later calls)
+        b = call_mod._grid_offsets((4, 4), [4, 1], torch.device(device))
+    assert call_mod._grid_offsets((4, 4), [4, 1], torch.device(device)) is not b
+    for i in range(call_mod._OFFSETS_KEPT + 5):
+        call_mod._grid_offsets((i + 1,), [1], torch.device(device))
+    assert len(call_mod._OFFSETS) <= call_mod._OFFSETS_KEPT

@@ -148,6 +148,18 @@ def test_second_call_walks_the_remembered_order_and_matches_the_first(device, mo
     assert rel_err(e1, e0) <= 2 * bde + 1e-5 and rel_err(c1, c0) <= 2 * bdc + 1e-5
 
 
+def test_the_order_is_enqueued_before_the_backward_is_planned(device, monkeypatch):
+    # The vocabulary order needs nothing the planner reads back: its host time goes before the read-back.
+    e, c, t, _ = make_inputs((40,), 150, 24, torch.float32, peaked=2.5, seed=3, device=device)
+    e, c = e.requires_grad_(), c.requires_grad_()
+    seen = []
+    plan_gradients = planner.plan_gradients
+    monkeypatch.setattr(planner, "plan_gradients", lambda *a, **k: seen.append(memory.order(c)) or plan_gradients(*a, **k))
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
+    linear_cross_entropy(e, c, t, impl="triton", variants=kv).backward()
+    assert len(seen) == 1 and seen[0] is not None and seen[0] is memory.order(c)
+
+
 @pytest.mark.parametrize("strategy, walk", [("tiles", "sorted"), ("tiles", "random"), ("tiles", None),
                                             ("sparse", "sorted"), ("sparse", "random"), ("sparse", None),
                                             ("chunked", "sorted"), ("chunked", "random")])

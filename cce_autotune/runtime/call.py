@@ -70,8 +70,10 @@ class Call:
             return
         if torch.cuda.is_current_stream_capturing():
             return
-        # (gather, not t[index]: indexing with a 0-d tensor reads the index back, a sync per call)
-        found = torch.stack([bad.any().long(), t.gather(0, bad.int().argmax().view(1)).long()[0]])
+        # The first bad row (row 0 when none): whether it is bad, and its target. (gather, not t[index]:
+        # indexing with a 0-d tensor reads the index back, a sync per call.)
+        first = bad.view(torch.uint8).argmax().view(1)
+        found = torch.cat([bad.gather(0, first).long(), t.gather(0, first).long()])
         host = torch.empty(2, dtype=torch.int64, pin_memory=True)
         host.copy_(found, non_blocking=True)
         landed = torch.cuda.Event()
@@ -168,14 +170,33 @@ def prepare(e, c, targets, bias, token_weights, o: Options, impl: str, V: int | 
         # are 1/0) never reaches the loss or the gradients.
         weights = torch.where(takes_part, token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1).float(), 0.0)
     # Row of each prediction in e.reshape(-1, D).
-    rows = _grid_offsets(shape, _contiguous_strides(batch), dev)
-    layout = _row_layout(e, shape, rows) if impl == "triton" else None
+    row_strides = _contiguous_strides(batch)
+    rows = _grid_offsets(shape, row_strides, dev)
+    layout = _row_layout(e, shape, row_strides) if impl == "triton" else None
     return Call(impl=impl, options=o, pred_shape=shape, valid=valid, weights=weights, rows=rows, layout=layout,
                 targets=tgt, out_of_range=out_of_range, raw_targets=raw, V=V, has_token_weights=token_weights is not None)
 
 
+_OFFSETS: dict = {}  # (shape, strides, device) -> the offsets: the same tensor for every call of a shape
+_OFFSETS_KEPT = 64
+
+
 def _grid_offsets(shape, strides, device) -> torch.Tensor:
-    """Σ_j index_j * strides[j] over the index grid of ``shape``, flattened (int64)."""
+    """Σ_j index_j * strides[j] over the index grid of ``shape``, flattened (int64; read only: kept
+    for the next call of the same shape, except those made while a CUDA graph is captured or in
+    inference mode)."""
+    key = (tuple(shape), tuple(strides), device)
+    off = _OFFSETS.get(key)
+    if off is None:
+        off = _make_offsets(shape, strides, device)
+        if not torch.is_inference_mode_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            while len(_OFFSETS) >= _OFFSETS_KEPT:
+                _OFFSETS.pop(next(iter(_OFFSETS)), None)
+            _OFFSETS[key] = off
+    return off
+
+
+def _make_offsets(shape, strides, device) -> torch.Tensor:
     off = torch.zeros((), dtype=torch.int64, device=device)
     for j, (n, s) in enumerate(zip(shape, strides)):
         view = [1] * len(shape)
@@ -192,7 +213,7 @@ def _contiguous_strides(shape) -> list[int]:
     return strides[::-1]
 
 
-def _row_layout(e, shape, rows) -> RowLayout:
+def _row_layout(e, shape, row_strides) -> RowLayout:
     """Element offsets of the predicting rows, in e's storage and in a contiguous dE."""
     D = e.shape[-1]
     offsets = _grid_offsets(shape, e.stride()[:-1], e.device)
@@ -204,7 +225,8 @@ def _row_layout(e, shape, rows) -> RowLayout:
         except RuntimeError:
             pass
     aligned = D % 8 == 0 and all(s % 8 == 0 for s in e.stride()[:-1]) and e.data_ptr() % 16 == 0
-    return RowLayout(offsets=offsets, de_offsets=rows * D, dense_stride=dense_stride, aligned=aligned)
+    de_offsets = _grid_offsets(shape, [s * D for s in row_strides], e.device)  # (the rows' offsets times D)
+    return RowLayout(offsets=offsets, de_offsets=de_offsets, dense_stride=dense_stride, aligned=aligned)
 
 
 def _views_as_matrix(e: torch.Tensor) -> bool:

@@ -17,16 +17,18 @@ from ..tile_map import sort_order
 from . import reference
 from .call import Call
 
-__all__ = ["CallState", "forward", "forward_reference", "backward", "backward_reference", "reduce_loss",
-           "add_uniform_term"]
+__all__ = ["CallState", "forward", "forward_reference", "vocabulary_order", "backward", "backward_reference",
+           "reduce_loss", "add_uniform_term"]
 
 
 class CallState:
-    """What one forward leaves for its backward: the plan, the tile map, the fused strategy's
-    gradients (for a unit incoming gradient) and the classifier's fp32 column sum (label smoothing)."""
+    """What one forward leaves for its backward: the call's tensors (its rows, targets and weights:
+    the backward's inputs are the forward's), the plan, the tile map, the fused strategy's gradients
+    (for a unit incoming gradient) and the classifier's fp32 column sum (label smoothing)."""
 
-    def __init__(self, plan: CallPlan | None = None):
+    def __init__(self, plan: CallPlan | None = None, call: Call | None = None):
         self.plan = plan
+        self.call = call
         self.tile_map = None
         self.fused = None  # (dE, dC, dbias)
         self.fused_scale = None  # the scale of the fused gradients (fp16, see gradient_scale), or None
@@ -79,7 +81,7 @@ def forward(plan: CallPlan, call: Call, e, c, bias) -> tuple:
     o = call.options
     kv = plan.variants
     fp = plan.forward
-    state = CallState(plan)
+    state = CallState(plan, call)
     ck = _kernel_classifier(plan, e, c)
     if fp.fused is not None:
         call.check_targets()
@@ -112,7 +114,7 @@ def forward_reference(call: Call, e, c, bias) -> tuple:
     lse, zt, zsum = reference.forward(e, c, bias, call.rows, call.targets, call.softcap,
                                       row_sums=bool(call.options.label_smoothing))
     loss, lse_out = reduce_loss(call, lse, zt, zsum)
-    return loss, lse_out, CallState()
+    return loss, lse_out, CallState(call=call)
 
 
 def reduce_loss(call: Call, lse, zt, zsum) -> tuple:
@@ -158,15 +160,26 @@ def scale_fused(state: CallState, grad_loss, e) -> tuple:
     return de.mul_(scale), dc.mul_(scale), dbias.mul_(scale) if dbias is not None else None
 
 
-def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u, tile_map, csum=None) -> tuple:
+def vocabulary_order(plan: CallPlan, call: Call, e, c, bias):
+    """The vocabulary order the backward sorts by where the forward's plan says so (remembered for
+    the classifier's next forward, which walks it, where it says that too), else None. It needs
+    nothing the backward's planning reads back, so it is enqueued before that: its host time passes
+    while the device may still run the forward, not after the read-back, while the device waits."""
+    if not plan.forward.sort:
+        return None
+    order = sort_order(call.layout.take(e), c, bias, weights=call.valid)
+    if plan.forward.remember_order:
+        memory.remember_order(c, order)
+    return order
+
+
+def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u, tile_map, csum=None,
+             order=None) -> tuple:
     """``(dE, dC, dbias)`` on the kernels' path, as ``plan`` (complete: its backward planned) says;
-    ``lse`` is infinite where a row has no gradient."""
+    ``lse`` is infinite where a row has no gradient; ``order``: :func:`vocabulary_order`'s."""
     bw = plan.backward
-    order = None
-    if plan.forward.sort:
-        order = sort_order(call.layout.take(e), c, bias, weights=call.valid)
-        if plan.forward.remember_order:
-            memory.remember_order(c, order)  # the next forward of this classifier walks it
+    if plan.forward.sort and order is None:
+        raise ValueError("order: the plan sorts the vocabulary; pass vocabulary_order(...)'s")
     ck = _kernel_classifier(plan, e, c)
     scale = gradient_scale(e, ck, *(x for x in (coef_s, coef_t, coef_u) if x is not None))
     if scale is not None:

@@ -85,7 +85,14 @@ def _forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool):
 def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, state, o: Options, shards=None):
     if state is not None and state.fused is not None:
         return execute.scale_fused(state, grad_loss, e)
-    call, plan = start(e, c, targets, bias, token_weights, o)
+    if state is not None:
+        # The forward's call: the same inputs (saved for the backward: an in-place change of one is
+        # refused by autograd), so the same rows, targets and weights; and its plan (what the forward
+        # found: the order it walked, its map).
+        raise_landed_checks()
+        call, plan = state.call, state.plan
+    else:
+        call, plan = start(e, c, targets, bias, token_weights, o)
     if call.n_rows == 0:
         return torch.zeros_like(e), torch.zeros_like(c), torch.zeros_like(bias) if bias is not None else None
     coef_s, coef_t, coef_u = call.coefficients(grad_loss, grad_lse, lse_out)
@@ -93,16 +100,15 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
     lse_v = torch.where(call.valid, lse_out, float("inf"))
     if plan is None:
         return execute.backward_reference(call, e, c, bias, lse_v, coef_s, coef_t, coef_u)
-    if state is not None and state.plan is not None:
-        plan = state.plan  # (what the forward found: the order it walked, its map)
     tmap = state.tile_map if state is not None else None
+    order = execute.vocabulary_order(plan, call, e, c, bias)
     ev = planner.Evidence(e=e, c=c, bias=bias, rows=call.rows, targets=call.targets, lse=lse_v, softcap=call.softcap,
                           tile_map=tmap, coef_s=coef_s, coef_t=coef_t, shards=shards)
     plan = planner.plan_gradients(plan, call.problem(e, c, bias, tmap), plan.costs, ev,
                                   fused_allowed=planner.fused_allowed(o, plan, c.dtype != e.dtype),
                                   max_extra_memory=o.max_extra_memory)
     return execute.backward(plan, call, e, c, bias, lse_v, coef_s, coef_t, coef_u, tmap,
-                            csum=state.csum if state is not None else None)
+                            csum=state.csum if state is not None else None, order=order)
 
 
 def run_forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool) -> tuple:
