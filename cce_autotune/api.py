@@ -8,6 +8,7 @@ function's and the Module's keyword arguments are generated from it.
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 
 import torch
 
@@ -90,8 +91,19 @@ def _assume_constant_result(fn):
 @_assume_constant_result
 def _encode_options(**options) -> str:
     """Check the options and encode them as the operators take them (under torch.compile, evaluated
-    once while tracing)."""
-    return Options.check(deterministic_default=torch.are_deterministic_algorithms_enabled(), **options).encode()
+    once while tracing). The same options (the same values of the same types) give the same text: it
+    is kept for the next call (a call's host time is a cost), except where a value is not hashable."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    key = (deterministic, *sorted((k, type(v), v) for k, v in options.items()))
+    try:
+        return _encoded(key)
+    except TypeError:  # (an unhashable value, e.g. a dict of variants: checked every time)
+        return Options.check(deterministic_default=deterministic, **options).encode()
+
+
+@lru_cache(maxsize=256)
+def _encoded(key: tuple) -> str:
+    return Options.check(deterministic_default=key[0], **{k: v for k, _, v in key[1:]}).encode()
 
 
 def _unexpected(fn_name: str, options: dict) -> None:

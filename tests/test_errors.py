@@ -191,3 +191,20 @@ def test_error_prefixes_are_not_doubled(capsys):
     assert str(exc.value).startswith("variants: ") and "variants: variants:" not in str(exc.value)
     rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "0", "--dry-run")
     assert rc == 2 and "--vocab: --vocab" not in err and "argument --vocab: expected positive integers" in err
+
+
+def test_options_encoded_once_are_still_checked_by_type():
+    # The options' text is kept for the next call with the same values of the same types: an equal
+    # value of a refused type (1 for True, 1.0 for an int) still gets its error.
+    from cce_autotune import api
+
+    assert api._encode_options(deterministic=True, softcap=30) == api._encode_options(softcap=30, deterministic=True)
+    with pytest.raises(TypeError, match="deterministic"):
+        api._encode_options(deterministic=1)
+    api._encode_options(ignore_index=-100)
+    with pytest.raises(TypeError, match="ignore_index"):
+        api._encode_options(ignore_index=-100.0)
+    with pytest.raises(ValueError, match="reduction"):
+        api._encode_options(reduction="avg")
+    text = api._encode_options(variants=KernelVariants().to_dict())  # (a dict: not kept, checked each time)
+    assert '"variants": {' in text

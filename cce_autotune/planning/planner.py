@@ -550,11 +550,12 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
                 break
         else:
             lossy = host[0]
-        columns = [int(x) for x in host[1:1 + live.shape[1]]]
+        # (map, not a comprehension: the host's time after the copy is time the device waits)
+        columns = list(map(int, host[1:1 + live.shape[1]]))
         share = sum(columns) / max(1, live.numel())
         at = 1 + live.shape[1]
         for name, g in grids:
-            flags = [bool(x) for x in host[at:at + g.numel()]]
+            flags = list(map(bool, host[at:at + g.numel()]))
             at += g.numel()
             block_lists[name] = flags
             block_shares[name] = sum(flags) / max(1, len(flags))

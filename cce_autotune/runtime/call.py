@@ -14,7 +14,7 @@ kernels take ``coef_s`` and ``coef_t``; the uniform ``coef_u`` term adds rank-on
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,8 @@ class Call:
     raw_targets: torch.Tensor  # (n,) the targets as given (for the range check)
     V: int
     has_token_weights: bool = False
+    _denominator: torch.Tensor | None = field(default=None, repr=False)
+    _unit_coef: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def n_rows(self) -> int:
@@ -83,13 +85,19 @@ class Call:
 
     def denominator(self) -> torch.Tensor:
         """What "mean" divides by: the summed weights of the non-ignored positions (their count
-        without token weights). 0 when every position is ignored: the loss is then NaN, as torch's."""
-        return self.weights.sum()
+        without token weights). 0 when every position is ignored: the loss is then NaN, as torch's.
+        (Made once a call: the forward's loss and its backward's coefficients both use it.)"""
+        if self._denominator is None:
+            self._denominator = self.weights.sum()
+        return self._denominator
 
     def unit_coef(self) -> torch.Tensor:
-        """Per-row gradient coefficient of the reduced loss for a unit incoming gradient."""
-        return self.weights / self.denominator().clamp(min=torch.finfo(torch.float32).tiny) \
-            if self.reduction == "mean" else self.weights
+        """Per-row gradient coefficient of the reduced loss for a unit incoming gradient (made once a
+        call)."""
+        if self._unit_coef is None:
+            self._unit_coef = self.weights / self.denominator().clamp(min=torch.finfo(torch.float32).tiny) \
+                if self.reduction == "mean" else self.weights
+        return self._unit_coef
 
     def coefficients(self, grad_loss, grad_lse, lse):
         """(coef_s, coef_t, coef_u) of each row (fp32, (n,)); see the module docstring."""
