@@ -279,3 +279,33 @@ def test_row_offsets_are_kept_per_shape_and_read_only(device):
     for i in range(call_mod._OFFSETS_KEPT + 5):
         call_mod._grid_offsets((i + 1,), [1], torch.device(device))
     assert len(call_mod._OFFSETS) <= call_mod._OFFSETS_KEPT
+
+
+def test_row_offsets_under_graph_capture_are_the_graph_s_own(monkeypatch, device):
+    # A captured graph's replays read the offsets it captured: not a kept tensor that may be dropped
+    # (its memory reused) later; and nothing made under capture is kept.
+    from cce_autotune.runtime import call as call_mod
+
+    call_mod._OFFSETS.clear()
+    kept = call_mod._grid_offsets((3, 5), [5, 1], torch.device(device))
+    monkeypatch.setattr(call_mod, "_capturing", lambda device: True)
+    fresh = call_mod._grid_offsets((3, 5), [5, 1], torch.device(device))
+    assert fresh is not kept and torch.equal(fresh, kept)
+    call_mod._grid_offsets((2, 2), [2, 1], torch.device(device))
+    assert [k[:2] for k in call_mod._OFFSETS] == [((3, 5), (5, 1))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_row_offsets_are_kept_per_stream():
+    # A call on another stream could read kept offsets before the kernels that made them ran.
+    from cce_autotune.runtime import call as call_mod
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    call_mod._OFFSETS.clear()
+    a = call_mod._grid_offsets((3, 5), [5, 1], dev)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        b = call_mod._grid_offsets((3, 5), [5, 1], dev)
+        assert b is not a and call_mod._grid_offsets((3, 5), [5, 1], dev) is b
+    torch.cuda.synchronize()
+    assert call_mod._grid_offsets((3, 5), [5, 1], dev) is a and torch.equal(a, b)

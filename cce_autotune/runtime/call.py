@@ -185,23 +185,34 @@ def prepare(e, c, targets, bias, token_weights, o: Options, impl: str, V: int | 
                 targets=tgt, out_of_range=out_of_range, raw_targets=raw, V=V, has_token_weights=token_weights is not None)
 
 
-_OFFSETS: dict = {}  # (shape, strides, device) -> the offsets: the same tensor for every call of a shape
+_OFFSETS: dict = {}  # (shape, strides, device, stream) -> the offsets: the same tensor for every call of a shape
 _OFFSETS_KEPT = 64
 
 
 def _grid_offsets(shape, strides, device) -> torch.Tensor:
     """Σ_j index_j * strides[j] over the index grid of ``shape``, flattened (int64; read only: kept
-    for the next call of the same shape, except those made while a CUDA graph is captured or in
-    inference mode)."""
-    key = (tuple(shape), tuple(strides), device)
+    for the next call of the same shape on the same stream, except those made in inference mode).
+    While a CUDA graph is captured the kept ones are neither read nor added to: the graph's replays
+    read what it captured, and a kept tensor may be dropped (and its memory reused) later, while the
+    graph's own stay its."""
+    if _capturing(device):
+        return _make_offsets(shape, strides, device)
+    # (per stream: a call on another stream could read them before the kernels that made them ran)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (tuple(shape), tuple(strides), device, stream)
     off = _OFFSETS.get(key)
     if off is None:
         off = _make_offsets(shape, strides, device)
-        if not torch.is_inference_mode_enabled() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not torch.is_inference_mode_enabled():
             while len(_OFFSETS) >= _OFFSETS_KEPT:
                 _OFFSETS.pop(next(iter(_OFFSETS)), None)
             _OFFSETS[key] = off
     return off
+
+
+def _capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (of ``device``'s kind)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _make_offsets(shape, strides, device) -> torch.Tensor:
