@@ -386,7 +386,13 @@ def test_the_planner_weighs_the_corrected_filter_against_a_smaller_plain_one(che
     plain, call = run(math.inf)  # the check off: the plain filter at eps
     assert call.run_eps == eps and call.correction is None
     limit = plain / 3
+    from cce_autotune.planning import planner
+
+    decided = []
+    decide = planner.decide
+    monkeypatch.setattr(planner, "decide", lambda *a, **k: decided.append(1) or decide(*a, **k))
     err, call = run(limit)
+    assert len(decided) == 2  # the two weighed plans; the winner is not decided (nor copied) again
     measured = {m[0]: (m[1], m[2]) for m in call.checked}
     assert measured[eps][1], measured  # eps passes only corrected ...
     smaller = [x for x, (_, fixed) in measured.items() if x < eps and not fixed and measured[x][0] <= limit]

@@ -318,16 +318,22 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
             else:
                 decided = None
         if decided is None:
+            weighed: dict = {}  # (filter, corrected) -> its Decision: the winner is not decided again
+
             def cheaper(corrected, plain) -> bool:  # (the two backwards' estimates; one copy each)
-                costs_of = [decide(p, bw, x, tmap, ev.lse, budget=budget, costs=costs, fused_allowed=fused_allowed,
-                                   deterministic=plan.deterministic, correction=fix).plan.cost
-                            for x, fix in ((corrected[0], True), (plain, False))]
-                return costs_of[0] <= costs_of[1]
+                for x, fix in ((corrected[0], True), (plain, False)):
+                    weighed[(x, fix)] = decide(p, bw, x, tmap, ev.lse, budget=budget, costs=costs,
+                                               fused_allowed=fused_allowed, deterministic=plan.deterministic,
+                                               correction=fix)
+                return weighed[(corrected[0], True)].plan.cost <= weighed[(plain, False)].plan.cost
 
             eps, checked, direction = check_filter(
                 ev, eps, bw.block_b, bw.block_v, costs, correctable=correctable, seen=seen,
                 cheaper=cheaper if ev.shards is None else None,  # (shards: the same choice on every shard)
                 admissible=lambda x: float(dropped_share(tmap, ev.lse, x)) <= costs.max_dropped)  # (one copy each)
+            found = weighed.get((eps, direction is not None))
+            if found is not None:  # (decided while weighing: with the check's text now)
+                decided = found.explained(_measured(plan.filter_eps, eps, direction))
         explain.report_check(p, checked, filters.MAX_ERROR)
         measured = _measured(plan.filter_eps, eps, direction)
     elif eps is not None and filters.MAX_ERROR < float("inf"):
@@ -505,6 +511,16 @@ class Decision(NamedTuple):
     checked: str
     columns: Any  # the live tiles of each tile column (host ints), or None
     extra: Any = None  # the host values of ``extra``, or None
+    lossy: bool = False  # even the smallest filter dropped too much: the exact plan, whatever ``why`` says
+
+    def explained(self, why: str | None) -> "Decision":
+        """This decision with ``why`` (how the check chose the filter) before its plan's reason, as
+        :func:`decide` reports it: not before an exact plan put in the filtering plan's place (a pause,
+        too much dropped), and not as ``checked`` where too much was dropped."""
+        if not why or self.lossy:
+            return self
+        plan = self.plan if self.pause else replace(self.plan, reason=why + "; " + self.plan.reason)
+        return self._replace(plan=plan, checked=why)
 
 
 def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | None, costs,
@@ -567,7 +583,7 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
                              deterministic=deterministic)
         plan = replace(plan, reason=f"filtering would drop {lossy:.1e} of the gradient's mass even at filter_eps "
                                     f"{eps:.2g} (at most {costs.max_dropped:g}): exact; " + plan.reason)
-        return Decision(plan, None, None, True, "", None, extra_host)
+        return Decision(plan, None, None, True, "", None, extra_host, lossy=True)
     plan = plan_backward(natural if exact else p, variant, has_map=tile_map is not None, live=share,
                          live_blocks=block_shares, budget=budget, costs=costs, exact=exact, deterministic=deterministic,
                          correction=correction)
@@ -577,8 +593,6 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
                                                     "mass); " + plan.reason)
     if eps != filter_eps and correction:  # (the correction applies only at the checked filter)
         plan = replace(plan, reason="no dead-tile correction at the lowered filter; " + plan.reason)
-    if why:
-        plan = replace(plan, reason=why + "; " + plan.reason)
     pause = False
     if plan.use_map and variant.strategy == "auto":
         pause = costs.forward + plan.cost >= costs.pause_share * unfiltered_cost(p, variant, budget, costs, fused_allowed)
@@ -590,7 +604,7 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
         live, blocks, columns = None, None, None
     else:
         blocks = block_lists.get(plan.strategy)
-    return Decision(plan, live, blocks, pause, why or "", columns, extra_host)
+    return Decision(plan, live, blocks, pause, "", columns, extra_host).explained(why)
 
 
 # -- the choice of a strategy --------------------------------------------------------------------
