@@ -297,7 +297,7 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
         can_check = least[0] > 0
         eps = least[1] if can_check else None
     budget = call_budget(p, max_extra_memory, plan.forward.convert_classifier)
-    decided = None
+    decided = found = None
     if can_check:
         correctable = (bw.strategy == "auto" or strategies.get(bw.strategy).takes_correction) \
             and not plan.deterministic
@@ -331,11 +331,11 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
                 ev, eps, bw.block_b, bw.block_v, costs, correctable=correctable, seen=seen,
                 cheaper=cheaper if ev.shards is None else None,  # (shards: the same choice on every shard)
                 admissible=lambda x: float(dropped_share(tmap, ev.lse, x)) <= costs.max_dropped)  # (one copy each)
-            found = weighed.get((eps, direction is not None))
-            if found is not None:  # (decided while weighing: with the check's text now)
-                decided = found.explained(_measured(plan.filter_eps, eps, direction))
+            found = weighed.get((eps, direction is not None))  # (decided while weighing, without its text)
         explain.report_check(p, checked, filters.MAX_ERROR)
         measured = _measured(plan.filter_eps, eps, direction)
+        if found is not None:
+            decided = found.explained(measured)
     elif eps is not None and filters.MAX_ERROR < float("inf"):
         # No tile map (a classifier's first call, a paused one, a variant without the map): nothing
         # measures what the filter would cost, so nothing is filtered.
