@@ -18,7 +18,7 @@ import pytest
 optuna = pytest.importorskip("optuna", reason="the tuner needs Optuna (not in the GPU image)")
 import sqlalchemy.exc
 import torch
-from conftest_tune import isolated  # noqa: F401
+from conftest_tune import isolated, make_entry  # noqa: F401
 from optuna.trial import TrialState
 
 from cce_autotune import tuner as tune
@@ -354,6 +354,27 @@ def test_a_study_starts_from_the_winner_of_the_neighbouring_bucket(isolated):
     warm = [t for t in _trials(b, url) if t.user_attrs.get("proposed") == "warm start"]
     assert len(warm) == 1 and tune.load_space("indexed_dot").variant(warm[0].params) == best
 
+
+
+def test_a_study_first_measures_the_entry_it_would_replace(isolated):
+    # After a template change the stored winner is stale: a re-tune measures it right after the
+    # default (before the neighbouring buckets' winners), so a short search keeps what a long one found.
+    url = _url(isolated)
+    spec = tune.StudySpec("h200", "indexed_dot", SMALL, n_trials=2)
+    stored = make_entry(kernel="indexed_dot", B=SMALL.B, V=SMALL.V, D=SMALL.D, block_b=16, block_d=128, num_warps=2)
+    db.save_entries(isolated["config"] / "h200.yaml", [stored,
+                    make_entry(kernel="indexed_dot", B=SMALL.B, V=SMALL.V, D=512, block_b=16)])  # another head
+    dispatch.clear_cache()
+    assert tune.tuned_before(spec) == [stored.variant]
+    other = tune.StudySpec("h200", "lse_forward", SMALL)
+    assert tune.tuned_before(other) == []  # another kernel's key
+    storage = tune.make_storage(url)
+    assert tune.warm_starts(spec, [spec], storage) == [stored.variant]
+    tune.run_study(spec, tune.FakeBackend(fail_compile=None, fail_resources=None), url,
+                   warm_start=tune.warm_starts(spec, [spec], storage))
+    measured = [t for t in _trials(spec, url) if t.state == TrialState.COMPLETE]
+    assert [t.user_attrs.get("proposed") for t in measured] == ["baseline", "warm start"]
+    assert tune.load_space("indexed_dot").variant(measured[1].params) == stored.variant
 
 PROBLEM = tune.TuningProblem(B=512, V=32000, D=256)
 

@@ -128,6 +128,8 @@ from .study import (  # noqa: F401
     run_study,
     sibling_best,
     stop_on_interrupt,
+    tuned_before,
+    warm_starts,
     storage_failure,
 )
 from .workers import FINALIZE_S, WEIGHT, WorkersFailed, _study_timeout, _worker_main, run_workers  # noqa: F401

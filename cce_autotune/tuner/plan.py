@@ -16,7 +16,7 @@ from ..planning import costs as cost_models
 from .backends import Backend
 from .problem import DATA_KINDS, KERNEL_NAMES, Gate, StudySpec, TuningProblem, _bucket
 from .space import load_space
-from .study import default_storage_url, finalize, make_storage, run_study, sibling_best
+from .study import default_storage_url, finalize, make_storage, run_study, warm_starts
 from .workers import _study_timeout, run_workers
 
 # -- plans ------------------------------------------------------------------------------------
@@ -244,6 +244,6 @@ def run_plan(plan: TuningPlan, backend: Backend, storage_url: str | None = None,
     for i, spec in enumerate(plan.studies):
         run_study(spec, backend, storage, seed=seed, trial_time_limit=trial_time_limit,
                   timeout_s=_study_timeout(deadline, plan.studies[i:]), progress=progress,
-                  warm_start=sibling_best(spec, plan.studies, storage))
+                  warm_start=warm_starts(spec, plan.studies, storage))
         report(spec, finalize(spec, backend, storage, **final, log=log))
     return results

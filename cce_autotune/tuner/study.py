@@ -352,6 +352,22 @@ def open_study(spec: StudySpec, storage, seed: int = 0, worker: int = 0) -> optu
     return study
 
 
+def tuned_before(spec: StudySpec) -> list:
+    """The variant of the tuned-config entry this study would replace (its key, on any template): after
+    a template changes, the winner of the last search is measured first, so that a short search
+    keeps what a long one found."""
+    from ..configdb import dispatch
+
+    return [entry.variant for entry, _ in dispatch._entries(spec.gpu, dispatch._env_key()) if entry.key == spec.key]
+
+
+def warm_starts(spec: StudySpec, specs: Sequence[StudySpec], storage) -> list:
+    """What a study measures first after the default: the entry it would replace, then the winners of
+    the same head at neighbouring token buckets."""
+    found = tuned_before(spec)
+    return found + [v for v in sibling_best(spec, specs, storage) if v not in found]
+
+
 def sibling_best(spec: StudySpec, specs: Sequence[StudySpec], storage, limit: int = 2) -> list:
     """The best measured variant of each study of ``specs`` that tunes the same kernel on the same head
     (V, D, dtype, flags, data) at another token bucket, nearest bucket first (at most ``limit``):

@@ -19,7 +19,7 @@ from .study import (
     make_storage,
     open_study,
     run_study,
-    sibling_best,
+    warm_starts,
     storage_failure,
 )
 
@@ -77,7 +77,7 @@ def _work(index: int, n_workers: int, backend_name: str, backend_kwargs: dict, s
     for i, spec in enumerate(specs):
         run_study(spec, backend, storage, seed=seed, worker=index,
                   timeout_s=_study_timeout(deadline, specs[i:], n_workers),
-                  trial_time_limit=trial_time_limit, warm_start=sibling_best(spec, specs, storage))
+                  trial_time_limit=trial_time_limit, warm_start=warm_starts(spec, specs, storage))
     # Each worker re-times its share of the studies (every n-th), on its own GPU.
     for spec in (specs[index::n_workers] if finalize_kwargs is not None else []):
         entry = finalize(spec, backend, storage, **finalize_kwargs,
