@@ -262,7 +262,9 @@ def test_the_backward_takes_the_forward_s_call(monkeypatch, impl, device):
     e.grad = c.grad = None
     loss.backward()  # (the state was used once: prepared and planned again, the same gradients)
     assert len(made) == 2
-    assert torch.equal(e.grad, first[0]) and torch.equal(c.grad, first[1])
+    # (equal up to the order of a GPU strategy's float atomics)
+    torch.testing.assert_close(e.grad, first[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(c.grad, first[1], rtol=1e-6, atol=1e-7)
 
 
 def test_row_offsets_are_kept_per_shape_and_read_only(device):
