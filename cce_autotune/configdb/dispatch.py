@@ -40,6 +40,7 @@ __all__ = [
     "ENV_GPU",
     "ENV_CONFIG_DIR",
     "ENV_NO_CONFIGS",
+    "stored_entries",
     "TunedConfigWarning",
     "select_variants",
     "default_variants",
@@ -310,6 +311,12 @@ def _entries(slug: str, env_key: tuple) -> list[tuple[db.Entry, Path]]:
                 hit = _load_entries(slug)
                 _entries_cache[key] = hit
     return hit
+
+
+def stored_entries(slug: str) -> list[db.Entry]:
+    """Every entry the lookups of GPU ``slug`` see (a key in an earlier folder hides later ones), on any
+    template: what a tuning run would replace."""
+    return [entry for entry, _ in _entries(slug, _env_key())]
 
 
 _cost_cache: dict[tuple, dict | None] = {}

@@ -27,6 +27,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from .. import __version__, codegen
+from ..configdb import dispatch
 from ..configdb.store import Entry
 from ..paths import cache_dir
 from ..variant import _Variant
@@ -356,9 +357,7 @@ def tuned_before(spec: StudySpec) -> list:
     """The variant of the tuned-config entry this study would replace (its key, on any template): after
     a template changes, the winner of the last search is measured first, so that a short search
     keeps what a long one found."""
-    from ..configdb import dispatch
-
-    return [entry.variant for entry, _ in dispatch._entries(spec.gpu, dispatch._env_key()) if entry.key == spec.key]
+    return [entry.variant for entry in dispatch.stored_entries(spec.gpu) if entry.key == spec.key]
 
 
 def warm_starts(spec: StudySpec, specs: Sequence[StudySpec], storage) -> list:
