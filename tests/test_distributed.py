@@ -324,7 +324,11 @@ def _fsdp_model(patched: bool, head_alone: bool, mesh=None, before_fsdp=None):
 def _check_fsdp_training(mesh, head_alone):
     # Each rank its own batch (data parallel); the same steps, patched and not, end at the same weights.
     rank = mesh.get_local_rank()
-    _assert_same_training([_train(_fsdp_model(patched, head_alone), 100 + rank) for patched in (False, True)], 1e-6)
+    # (AdamW turns a rounding-level difference in a near-zero gradient into a difference of up to a step
+    # in that weight: 5e-6 in one k_proj element of 512 here with transformers 5.24 and torch 2.13. 1e-4,
+    # 1 % of a step of lr 1e-2, still fails on any real gradient error, which moves the losses and most
+    # weights by far more.)
+    _assert_same_training([_train(_fsdp_model(patched, head_alone), 100 + rank) for patched in (False, True)], 1e-4)
 
 
 def _train(model, seed):
@@ -347,7 +351,7 @@ def _assert_same_training(results, atol):
     (ref_losses, ref_params), (losses, params) = results
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for k, p in ref_params.items():
-        torch.testing.assert_close(params[k], p, rtol=1e-5, atol=atol, msg=k)
+        torch.testing.assert_close(params[k], p, rtol=1e-5, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _check_tensor_parallel_head(mesh):
