@@ -51,8 +51,8 @@ def _main(cli, argv, out):
 
 def _fmt(x: torch.Tensor | None) -> str:
     """The norm and a sum with fixed random signs. (Not the plain sum: dC's is zero up to rounding, since
-    each row's softmax minus onehot sums to zero, and printed its rounding noise, which moved with the
-    BLAS build.)"""
+    each row's softmax minus onehot sums to zero, and printed its rounding noise, which differed from
+    one machine to another.)"""
     if x is None:
         return "None"
     x = x.detach().double().flatten()

@@ -355,7 +355,6 @@ def test_a_study_starts_from_the_winner_of_the_neighbouring_bucket(isolated):
     assert len(warm) == 1 and tune.load_space("indexed_dot").variant(warm[0].params) == best
 
 
-
 def test_a_study_first_measures_the_entry_it_would_replace(isolated):
     # After a template change the stored winner is stale: a re-tune measures it right after the
     # default (before the neighbouring buckets' winners), so a short search keeps what a long one found.
@@ -375,6 +374,7 @@ def test_a_study_first_measures_the_entry_it_would_replace(isolated):
     measured = [t for t in _trials(spec, url) if t.state == TrialState.COMPLETE]
     assert [t.user_attrs.get("proposed") for t in measured] == ["baseline", "warm start"]
     assert tune.load_space("indexed_dot").variant(measured[1].params) == stored.variant
+
 
 PROBLEM = tune.TuningProblem(B=512, V=32000, D=256)
 
