@@ -88,6 +88,7 @@ class Flags:
     cast_c: bool = False  # C is wider than E (fp32 classifier, 16-bit e): its tiles are rounded to E's dtype
     c_local: bool = False  # C is a converted window of the classifier, addressed by walked position
     live_mass: bool = False  # chunked backward: each row's softmax mass in the computed tiles (atomics)
+    descriptors: bool = False  # LSE forward: E and C are passed as TMA tensor descriptors (see forward.descriptors)
 
     def template_flags(self) -> dict:
         return {
@@ -106,6 +107,7 @@ class Flags:
             "CAST_C": self.cast_c,
             "C_LOCAL": self.c_local,
             "LIVE_MASS": self.live_mass,
+            "DESCRIPTORS": self.descriptors,
         }
 
 

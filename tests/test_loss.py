@@ -201,6 +201,56 @@ def test_row_layouts(case, device):
     assert rel_err(ge, re) < 1e-5 and rel_err(gc, rc) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_kernels_read_through_descriptors_where_the_layout_allows(monkeypatch, dtype, device):
+    # The LSE kernel and the chunked gradient kernel read E and C through TMA tensor descriptors where
+    # rows are dense, the vocabulary is walked by position and C is of e's 16-bit dtype (partial tiles
+    # of rows, columns and D read as zeros); elsewhere through pointers. Both read the same logits.
+    from cce_autotune.runtime.call import prepare
+    from cce_autotune.strategies import chunked, common
+    from cce_autotune.strategies import forward as fwd
+
+    if device != "cpu" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need compute capability 9.0 (Hopper) or more")
+    real = common.tma_descriptors
+    used = {"forward": [], "chunked": []}
+    for name, mod in (("forward", fwd), ("chunked", chunked)):
+        monkeypatch.setattr(mod, "tma_descriptors", lambda *a, _n=name: used[_n].append(real(*a)) or used[_n][-1])
+    e, c, t, b = make_inputs((2, 21), 301, 40, dtype, bias=True, device=device)  # 42 rows, D = 40: partial tiles
+    variants = SMALL.replace(backward=SMALL.backward.replace(strategy="chunked", chunk_v=64))  # several chunks
+    kw = dict(impl="triton", variants=variants, filter_eps=None, softcap=20.0, return_lse=True)
+    seen = {}
+
+    def call(e_, c_, b_):
+        loss, seen["lse"] = linear_cross_entropy(e_, c_, t, b_, **kw)
+        return loss
+
+    _, grads = grads_of(call, e, c, b)
+    lse = seen["lse"].detach()
+    assert used["forward"] and all(d is not None for d in used["forward"])
+    assert used["chunked"] and all(d is not None for d in used["chunked"])
+    for mod in (fwd, chunked):
+        monkeypatch.setattr(mod, "tma_descriptors", lambda *a: None)
+    _, grads_pointers = grads_of(call, e, c, b)
+    lse_pointers = seen["lse"].detach()
+    torch.testing.assert_close(lse, lse_pointers, rtol=0, atol=1e-5)
+    for g, gp in zip(grads, grads_pointers):
+        # (bit-equal in the interpreter; on a GPU the products' order may differ, and g is rounded)
+        assert rel_err(g, gp) < (1e-9 if device == "cpu" else 1e-3), rel_err(g, gp)
+    z = torch.nn.functional.linear(e.double(), c.double(), b.double())
+    torch.testing.assert_close(lse.double(), torch.logsumexp(20.0 * torch.tanh(z / 20.0), -1), rtol=0, atol=1e-5)
+    # Not where rows are gathered (shift), the classifier is wider than e, or a row stride is not 16 bytes.
+    o = Options(impl="triton", variants=SMALL.to_dict())
+    v = SMALL.lse_forward
+    dense = prepare(e, c, t, None, None, o, "triton").layout
+    assert real(e, c, dense.n, dense.dense_stride, v) is not None
+    shifted = prepare(e, c, t, None, None, Options(impl="triton", shift=1, variants=SMALL.to_dict()), "triton").layout
+    assert shifted.dense_stride is None and real(e, c, shifted.n, shifted.dense_stride, v) is None
+    assert real(e, c.float(), dense.n, dense.dense_stride, v) is None
+    odd = torch.zeros((42, 41), dtype=dtype, device=e.device)[:, :40]  # rows 82 bytes apart
+    assert real(odd, c, 42, 41, v) is None
+
+
 def test_dispatched_variants_leave_the_strategy_to_the_planner(monkeypatch, device):
     # A tuned entry's strategy was measured on the tuner's data; for dispatched variants the planner
     # decides per call (strategy "auto"), filtered or exact. Explicit variants keep theirs.

@@ -16,7 +16,7 @@ from .._lazy import torch, triton  # (imported on first use: see cce_autotune._l
 from ..codegen import Flags, interpreting, load_utility
 
 __all__ = ["RowLayout", "BackwardArgs", "flags", "softcap_arg", "convert_rows", "target_weight", "add_target_terms",
-           "segment_sums", "add_matmul", "add_matmul_fp32", "mm_fp32_out"]
+           "segment_sums", "add_matmul", "add_matmul_fp32", "mm_fp32_out", "tma_descriptors"]
 
 
 @dataclass
@@ -115,6 +115,58 @@ def flags(e: torch.Tensor, c: torch.Tensor, bias, softcap, block_d: int, rows: R
         rows_aligned=rows.aligned,
         **extra,
     )
+
+
+_BOX = 256  # the most elements a TMA box holds along one dimension
+
+
+def tma_descriptors(e, c, n_rows: int, row_stride: int | None, variant) -> tuple | None:
+    """``(E, C)`` as TMA tensor descriptors of a kernel's logit tiles (``variant``'s block_b x block_d
+    rows of E from its row 0, block_v x block_d rows of C; rows, columns and D beyond them read as
+    zeros), where the hardware and the layout allow them: rows dense (``row_stride``: row i of the
+    problem at ``i * row_stride`` of e; None: gathered), a 16-bit C of e's dtype, both contiguous
+    along D with 16-byte aligned bases and row strides, tiles within a TMA box, a GPU of compute
+    capability 9 or more (or Triton's interpreter). Else None: the kernel loads through pointers.
+    Only for a vocabulary walked by position (a walked order gathers C's rows): the caller's to know.
+    Measured on the H200: the LSE kernel 10-18 % and the chunked gradient kernel 4-12 % faster
+    (benchmarks/NOTES.md row 107)."""
+    desc_type = _descriptor_type()
+    if desc_type is None or row_stride is None or c.dtype != e.dtype or e.element_size() != 2:
+        return None
+    if not (e.device.type == "cpu" and interpreting()) and not _tma_device(e.device):
+        return None
+    D = e.shape[-1]
+    if e.stride(-1) != 1 or c.stride(1) != 1 or (row_stride * 2) % 16 or (c.stride(0) * 2) % 16 \
+            or e.data_ptr() % 16 or c.data_ptr() % 16 or n_rows == 0:
+        return None
+    if max(variant.block_b, variant.block_v, variant.block_d) > _BOX or variant.block_d * 2 < 16:
+        return None
+    return (desc_type(e, [n_rows, D], [row_stride, 1], [variant.block_b, variant.block_d]),
+            desc_type(c, [c.shape[0], D], [c.stride(0), 1], [variant.block_v, variant.block_d]))
+
+
+_FOUND: dict = {}
+
+
+def _descriptor_type():
+    """Triton's host-side ``TensorDescriptor`` (None on a Triton without it)."""
+    if "type" not in _FOUND:
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+        except ImportError:
+            TensorDescriptor = None
+        _FOUND["type"] = TensorDescriptor
+    return _FOUND["type"]
+
+
+def _tma_device(device) -> bool:
+    """Whether ``device`` is a CUDA GPU with TMA (compute capability 9.0 or more: Hopper, Blackwell)."""
+    if device.type != "cuda":
+        return False
+    key = ("tma", device.index)
+    if key not in _FOUND:
+        _FOUND[key] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _FOUND[key]
 
 
 def softcap_arg(softcap) -> float:

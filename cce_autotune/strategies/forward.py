@@ -8,7 +8,7 @@ from __future__ import annotations
 from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import load_kernel
 from ..tile_map import TileMap
-from .common import RowLayout, convert_rows, flags, softcap_arg
+from .common import RowLayout, convert_rows, flags, softcap_arg, tma_descriptors
 
 __all__ = ["indexed_dot", "lse_forward", "lse_splits", "convert_width", "converted_classifier"]
 
@@ -107,12 +107,15 @@ def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_lo
         out = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
         locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
     record = q is not None
+    # (TMA descriptors only where the vocabulary is walked by position: a walked order gathers C's rows)
+    desc = tma_descriptors(e, c, rows.n, rows.dense_stride, variant) if perm is None else None
     fl = flags(e, c, bias, softcap, variant.block_d, rows, walk_perm=perm is not None, tile_map=record,
-               c_local=c_local)
+               c_local=c_local, descriptors=desc is not None)
     kernel = load_kernel(variant, fl)
     grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
+    e_arg, c_arg = desc if desc is not None else (e, c)
     kernel[grid](
-        e, c, bias if bias is not None else c, rows.offsets, out, locks,
+        e_arg, c_arg, bias if bias is not None else c, rows.offsets, out, locks,
         perm if perm is not None else rows.offsets,
         zt if record else out, q if record else out,
         n_rows, V, e.shape[-1], rows.stride, e.stride(-1), c.stride(0), c.stride(1), softcap_arg(softcap),
@@ -122,3 +125,4 @@ def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_lo
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return torch.logsumexp(out, dim=0) if variant.merge == "buffer" else out
+
