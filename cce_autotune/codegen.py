@@ -88,7 +88,7 @@ class Flags:
     cast_c: bool = False  # C is wider than E (fp32 classifier, 16-bit e): its tiles are rounded to E's dtype
     c_local: bool = False  # C is a converted window of the classifier, addressed by walked position
     live_mass: bool = False  # chunked backward: each row's softmax mass in the computed tiles (atomics)
-    descriptors: bool = False  # LSE forward: E and C are passed as TMA tensor descriptors (see forward.descriptors)
+    descriptors: bool = False  # LSE forward, chunked backward: E and C come as TMA descriptors (common.tma_descriptors)
 
     def template_flags(self) -> dict:
         return {

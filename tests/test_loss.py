@@ -251,6 +251,47 @@ def test_kernels_read_through_descriptors_where_the_layout_allows(monkeypatch, d
     assert real(odd, c, 42, 41, v) is None
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_shift_runs_as_ignored_targets_on_dense_rows(monkeypatch, reduction, device):
+    # Where e's batch dimensions flatten, the API moves the targets `shift` places left and ignores
+    # the last `shift` positions of each sequence: the operator sees shift 0 and every row (dense
+    # rows), and the loss, LSE and gradients equal the shifted call's on gathered rows (the same
+    # values in a layout whose batch dimensions do not flatten, which keeps the shift).
+    from cce_autotune.runtime import ops
+
+    seen = []
+    real_start = ops.start
+
+    def start(e_, c_, t_, b_, w_, o):
+        seen.append((o.shift, tuple(t_.shape), w_ is not None))
+        return real_start(e_, c_, t_, b_, w_, o)
+
+    monkeypatch.setattr(ops, "start", start)
+    e, c, t, _ = make_inputs((3, 11), 97, 40, torch.float32, device=device)
+    t = t.clone()
+    t[0, 4] = -100
+    w = torch.rand(t.shape, generator=torch.Generator().manual_seed(3)).to(t.device)
+    kw = dict(shift=2, reduction=reduction, return_lse=True, impl="triton", variants=SMALL, token_weights=w)
+
+    def run(e_):
+        leaf = e_.detach().requires_grad_()
+        cc = c.detach().requires_grad_()
+        loss, lse = linear_cross_entropy(leaf, cc, t, **kw)
+        (loss.sum() + 0.1 * (lse**2).sum()).backward()
+        return loss.detach(), lse.detach(), leaf.grad, cc.grad
+
+    dense = run(e)
+    assert seen[-1] == (0, (3, 11), True)
+    gathered_e = e.transpose(0, 1).contiguous().transpose(0, 1)  # the same values; rows 120 elements apart
+    gathered = run(gathered_e)
+    assert seen[-1] == (2, (3, 11), True)
+    assert dense[0].shape == gathered[0].shape == ((3, 9) if reduction == "none" else ())
+    assert dense[1].shape == gathered[1].shape == (3, 9) and dense[1].is_contiguous()
+    for a, b in zip(dense, gathered):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not dense[2][:, 9:].any()  # the last positions of each sequence predict nothing
+
+
 def test_dispatched_variants_leave_the_strategy_to_the_planner(monkeypatch, device):
     # A tuned entry's strategy was measured on the tuner's data; for dispatched variants the planner
     # decides per call (strategy "auto"), filtered or exact. Explicit variants keep theirs.

@@ -125,4 +125,3 @@ def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_lo
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
     return torch.logsumexp(out, dim=0) if variant.merge == "buffer" else out
-
