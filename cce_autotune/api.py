@@ -181,25 +181,24 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
     if captured.active():  # a capture() block is open: save what this call sees (eager only; checked options)
         captured.record(e, c, targets, bias, options.get("softcap"), options.get("ignore_index", -100), shift)
     T = e.shape[-2]
-    if shift and _rows_flatten(e):
+    moved = shift > 0 and _rows_flatten(e)
+    if moved:
         # The shift as ignored targets: the targets move ``shift`` places left and the last ``shift``
         # positions of each sequence are ignored, so every row of e takes part and e stays one dense
         # matrix (no offset table, no row gather; the kernels may read it through TMA descriptors).
-        # The same loss and gradients; ``shift`` more rows a sequence. (A layout whose batch
-        # dimensions do not flatten keeps the shift: its rows are gathered either way.)
+        # The same loss and gradients; ``shift`` more rows a sequence, narrowed off the outputs. (A
+        # layout whose batch dimensions do not flatten keeps the shift: its rows are gathered either way.)
         ignore = options.get("ignore_index", -100)
         targets = torch.nn.functional.pad(targets.narrow(-1, shift, T - shift), (0, shift), value=ignore)
         if token_weights is not None:
             token_weights = torch.nn.functional.pad(token_weights.narrow(-1, shift, T - shift), (0, shift))
-        loss, lse, _ = torch.ops.cce_autotune.lce_forward(e, c, bias, targets, token_weights,
-                                                          _encode_options(**{**options, "shift": 0}), needs_grad)
-        if options.get("reduction", "mean") == "none":
-            loss = loss.narrow(-1, 0, T - shift).contiguous()
-        if options.get("return_lse", False):
-            return loss, lse.view(e.shape[:-1]).narrow(-1, 0, T - shift).contiguous()
-        return loss
+        encoded = _encode_options(**{**options, "shift": 0})
     loss, lse, _ = torch.ops.cce_autotune.lce_forward(e, c, bias, targets, token_weights, encoded, needs_grad)
+    if moved and options.get("reduction", "mean") == "none":
+        loss = loss.narrow(-1, 0, T - shift).contiguous()
     if options.get("return_lse", False):
+        if moved:
+            return loss, lse.view(e.shape[:-1]).narrow(-1, 0, T - shift).contiguous()
         return loss, lse.view(pred_shape(e.shape[:-1], shift))
     return loss
 
