@@ -88,7 +88,8 @@ class Flags:
     cast_c: bool = False  # C is wider than E (fp32 classifier, 16-bit e): its tiles are rounded to E's dtype
     c_local: bool = False  # C is a converted window of the classifier, addressed by walked position
     live_mass: bool = False  # chunked backward: each row's softmax mass in the computed tiles (atomics)
-    descriptors: bool = False  # LSE forward, chunked backward: E and C come as TMA descriptors (common.tma_descriptors)
+    e_desc: bool = False  # LSE forward, chunked backward: E comes as a TMA descriptor (common.tma_descriptors)
+    c_desc: bool = False  # LSE forward, chunked backward: C comes as a TMA descriptor (rows walked by position)
 
     def template_flags(self) -> dict:
         return {
@@ -107,7 +108,8 @@ class Flags:
             "CAST_C": self.cast_c,
             "C_LOCAL": self.c_local,
             "LIVE_MASS": self.live_mass,
-            "DESCRIPTORS": self.descriptors,
+            "E_DESC": self.e_desc,
+            "C_DESC": self.c_desc,
         }
 
 

@@ -203,9 +203,10 @@ def test_row_layouts(case, device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_kernels_read_through_descriptors_where_the_layout_allows(monkeypatch, dtype, device):
-    # The LSE kernel and the chunked gradient kernel read E and C through TMA tensor descriptors where
-    # rows are dense, the vocabulary is walked by position and C is of e's 16-bit dtype (partial tiles
-    # of rows, columns and D read as zeros); elsewhere through pointers. Both read the same logits.
+    # The LSE kernel and the chunked gradient kernel read E through a TMA tensor descriptor where rows
+    # are dense, and C through one where its rows are walked by position and it is of e's 16-bit
+    # dtype (partial tiles of rows, columns and D read as zeros); else through pointers, each operand
+    # on its own. Every combination reads the same logits.
     from cce_autotune.runtime.call import prepare
     from cce_autotune.strategies import chunked, common
     from cce_autotune.strategies import forward as fwd
@@ -214,8 +215,15 @@ def test_kernels_read_through_descriptors_where_the_layout_allows(monkeypatch, d
         pytest.skip("TMA descriptors need compute capability 9.0 (Hopper) or more")
     real = common.tma_descriptors
     used = {"forward": [], "chunked": []}
-    for name, mod in (("forward", fwd), ("chunked", chunked)):
-        monkeypatch.setattr(mod, "tma_descriptors", lambda *a, _n=name: used[_n].append(real(*a)) or used[_n][-1])
+
+    def patch(keep):  # the real descriptors, then only the operands `keep` names
+        for name, mod in (("forward", fwd), ("chunked", chunked)):
+            def f(*a, _n=name, **k):
+                d = real(*a, **k)
+                used[_n].append(d)
+                return tuple(x if op in keep else None for x, op in zip(d, "EC"))
+            monkeypatch.setattr(mod, "tma_descriptors", f)
+
     e, c, t, b = make_inputs((2, 21), 301, 40, dtype, bias=True, device=device)  # 42 rows, D = 40: partial tiles
     variants = SMALL.replace(backward=SMALL.backward.replace(strategy="chunked", chunk_v=64))  # several chunks
     kw = dict(impl="triton", variants=variants, filter_eps=None, softcap=20.0, return_lse=True)
@@ -225,30 +233,84 @@ def test_kernels_read_through_descriptors_where_the_layout_allows(monkeypatch, d
         loss, seen["lse"] = linear_cross_entropy(e_, c_, t, b_, **kw)
         return loss
 
-    _, grads = grads_of(call, e, c, b)
-    lse = seen["lse"].detach()
-    assert used["forward"] and all(d is not None for d in used["forward"])
-    assert used["chunked"] and all(d is not None for d in used["chunked"])
-    for mod in (fwd, chunked):
-        monkeypatch.setattr(mod, "tma_descriptors", lambda *a: None)
-    _, grads_pointers = grads_of(call, e, c, b)
-    lse_pointers = seen["lse"].detach()
-    torch.testing.assert_close(lse, lse_pointers, rtol=0, atol=1e-5)
-    for g, gp in zip(grads, grads_pointers):
-        # (bit-equal in the interpreter; on a GPU the products' order may differ, and g is rounded)
-        assert rel_err(g, gp) < (1e-9 if device == "cpu" else 1e-3), rel_err(g, gp)
+    results = {}
+    for keep in ("EC", "E", "C", ""):
+        patch(keep)
+        results[keep] = grads_of(call, e, c, b)[1], seen["lse"].detach()
+    assert used["forward"] and all(x is not None for d in used["forward"] for x in d)
+    assert used["chunked"] and all(x is not None for d in used["chunked"] for x in d)
+    grads_pointers, lse_pointers = results[""]
+    for keep in ("EC", "E", "C"):
+        grads, lse = results[keep]
+        torch.testing.assert_close(lse, lse_pointers, rtol=0, atol=1e-5)
+        for g, gp in zip(grads, grads_pointers):
+            # (bit-equal in the interpreter; on a GPU the products' order may differ, and g is rounded)
+            assert rel_err(g, gp) < (1e-9 if device == "cpu" else 1e-3), (keep, rel_err(g, gp))
     z = torch.nn.functional.linear(e.double(), c.double(), b.double())
+    lse = results["EC"][1]
     torch.testing.assert_close(lse.double(), torch.logsumexp(20.0 * torch.tanh(z / 20.0), -1), rtol=0, atol=1e-5)
-    # Not where rows are gathered (shift), the classifier is wider than e, or a row stride is not 16 bytes.
+    # E not where rows are gathered (shift) or a row stride is not 16 bytes; C not where a walked
+    # order gathers its rows or the classifier is wider than e.
     o = Options(impl="triton", variants=SMALL.to_dict())
     v = SMALL.lse_forward
     dense = prepare(e, c, t, None, None, o, "triton").layout
-    assert real(e, c, dense.n, dense.dense_stride, v) is not None
+    has = lambda d: tuple(x is not None for x in d)  # noqa: E731
+    assert has(real(e, c, dense.n, dense.dense_stride, v, c_by_position=True)) == (True, True)
+    assert has(real(e, c, dense.n, dense.dense_stride, v, c_by_position=False)) == (True, False)
     shifted = prepare(e, c, t, None, None, Options(impl="triton", shift=1, variants=SMALL.to_dict()), "triton").layout
-    assert shifted.dense_stride is None and real(e, c, shifted.n, shifted.dense_stride, v) is None
-    assert real(e, c.float(), dense.n, dense.dense_stride, v) is None
+    assert shifted.dense_stride is None
+    assert has(real(e, c, shifted.n, shifted.dense_stride, v, c_by_position=True)) == (False, True)
+    assert has(real(e, c.float(), dense.n, dense.dense_stride, v, c_by_position=True)) == (True, False)
     odd = torch.zeros((42, 41), dtype=dtype, device=e.device)[:, :40]  # rows 82 bytes apart
-    assert real(odd, c, 42, 41, v) is None
+    assert has(real(odd, c, 42, 41, v, c_by_position=True)) == (False, True)
+
+
+def test_a_walked_order_reads_e_through_a_descriptor(monkeypatch, device):
+    # A call that walks a remembered order (a filtered training step's) gathers C's rows through
+    # pointers while E still comes through a descriptor; with an fp32 classifier converted in chunks
+    # (a budget below the converted classifier's 44 KB), the chunks are laid out by walked position,
+    # so C comes through one too. The results are the pointers'.
+    from cce_autotune.strategies import chunked, common
+    from cce_autotune.strategies import forward as fwd
+
+    if device != "cpu" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA descriptors need compute capability 9.0 (Hopper) or more")
+    real, real_lse = common.tma_descriptors, fwd.lse_forward
+    e, c, t, _ = make_inputs((64,), 700, 32, torch.bfloat16, device=device)
+    for c_, budget, expect in ((c, None, (True, False)), (c.float(), 30_000, (True, True))):
+        results = []
+        for on in (True, False):
+            used, walks = [], []
+
+            def descriptors(*a, _on=on, _used=used, **k):
+                d = real(*a, **k) if _on else (None, None)
+                _used.append(tuple(x is not None for x in d))
+                return d
+
+            def lse_forward(*a, _walks=walks, _used=used, **k):
+                _walks.append(k.get("perm") is not None)
+                n = len(_used)
+                out = real_lse(*a, **k)
+                _walks[-1] = (_walks[-1], _used[n:])  # the descriptors of this forward's launches
+                return out
+
+            for mod in (fwd, chunked):
+                monkeypatch.setattr(mod, "tma_descriptors", descriptors)
+            monkeypatch.setattr(fwd, "lse_forward", lse_forward)
+
+            def call(e_, c2):
+                prime_order(c2, e_, "sorted")
+                kw = {} if budget is None else dict(max_extra_memory=budget)
+                return linear_cross_entropy(e_, c2, t, impl="triton", variants=SMALL, filter_eps=2.0**-12, **kw)
+
+            results.append(grads_of(call, e, c_))
+            if on:
+                assert len(walks) == 1 and walks[0][0], walks  # the forward walked the remembered order
+                assert walks[0][1] and all(d == expect for d in walks[0][1]), walks
+        (l1, g1), (l0, g0) = results
+        assert rel_err(l1.detach(), l0.detach()) < 1e-6
+        for a_, b_ in zip(g1, g0):
+            assert rel_err(a_, b_) < (1e-9 if device == "cpu" else 1e-3)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

@@ -235,15 +235,17 @@ class Chunked(Strategy):
             c_buf = torch.empty((W, D), dtype=e.dtype, device=dev) if c.dtype != e.dtype else None
             mass = torch.zeros(n, dtype=torch.float32, device=dev) if dead_dir is not None else None
             # E (each group's rows) and C (or the chunk buffer) as TMA descriptors where the layout allows
-            # them, in the natural order only (see tma_descriptors): the same C every chunk.
+            # them (see tma_descriptors): the same C every chunk, whose rows are walked by position in
+            # the natural order or as the converted chunk. One kernel serves every group.
             c_read = c if c_buf is None else c_buf
-            descs = [tma_descriptors(grp.e, c_read, grp.n, rows.dense_stride, variant) if perm is None else None
-                     for grp in groups]
-            if not all(descs):
-                descs = [None] * len(groups)
+            descs = [tma_descriptors(grp.e, c_read, grp.n, rows.dense_stride, variant,
+                                     c_by_position=perm is None or c_buf is not None) for grp in groups]
+            e_descs = [d[0] for d in descs] if all(d[0] is not None for d in descs) else [None] * len(groups)
+            c_desc = descs[0][1]
             kernel = load_kernel(variant, flags(e, c_read, bias, softcap, variant.block_d, rows,
                                                 tile_live=use_live, c_local=c_buf is not None,
-                                                live_mass=mass is not None, descriptors=descs[0] is not None))
+                                                live_mass=mass is not None, e_desc=e_descs[0] is not None,
+                                                c_desc=c_desc is not None))
             # Rows of E that no problem row reads (shift, ignored rows) keep a zero gradient row in g.
             g_rows = max(grp.span for grp in groups)
             g_buf = (torch.zeros if n < N else torch.empty)((g_rows, W), dtype=e.dtype, device=dev)
@@ -272,9 +274,8 @@ class Chunked(Strategy):
                     grp = groups[j]
                     grid = (triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v),)
                     offsets, tpos, lse_g, cs, ct, live_g, mass_g = per_group[j]
-                    e_arg, c_desc = descs[j] if descs[j] is not None else (grp.e, c_arg)
                     kernel[grid](
-                        e_arg, c_desc, bias if bias is not None else c, offsets, grp.g_offsets, tpos,
+                        grp.e if e_descs[j] is None else e_descs[j], c_arg if c_desc is None else c_desc, bias if bias is not None else c, offsets, grp.g_offsets, tpos,
                         lse_g, cs, ct, perm if perm is not None else target_pos, live_g, g_buf,
                         dbias_k if dbias_k is not None else lse,
                         grp.n, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), g_buf.stride(0),

@@ -120,29 +120,32 @@ def flags(e: torch.Tensor, c: torch.Tensor, bias, softcap, block_d: int, rows: R
 _BOX = 256  # the most elements a TMA box holds along one dimension
 
 
-def tma_descriptors(e, c, n_rows: int, row_stride: int | None, variant) -> tuple | None:
-    """``(E, C)`` as TMA tensor descriptors of a kernel's logit tiles (``variant``'s block_b x block_d
-    rows of E from its row 0, block_v x block_d rows of C; rows, columns and D beyond them read as
-    zeros), where the hardware and the layout allow them: rows dense (``row_stride``: row i of the
-    problem at ``i * row_stride`` of e; None: gathered), a 16-bit C of e's dtype, both contiguous
-    along D with 16-byte aligned bases and row strides, tiles within a TMA box, a GPU of compute
-    capability 9 or more (or Triton's interpreter). Else None: the kernel loads through pointers.
-    Only for a vocabulary walked by position (a walked order gathers C's rows): the caller's to know.
+def tma_descriptors(e, c, n_rows: int, row_stride: int | None, variant, c_by_position: bool) -> tuple:
+    """``(E, C)``: each operand of a kernel's logit tiles as a TMA tensor descriptor where the hardware
+    and the layout allow it, else None (the kernel loads it through pointers). E: ``variant``'s
+    block_b x block_d tiles of rows from row 0, where rows are dense (``row_stride``: row i of the
+    problem at ``i * row_stride`` of e; None: gathered). C: block_v x block_d tiles, where its rows are
+    walked by position (``c_by_position``: the natural order, or a window converted in the walked
+    order; a walked order reads gathered rows of C) and C is of e's dtype. Both: 16-bit e, contiguous
+    along D, 16-byte aligned bases and row strides, tiles within a TMA box, a GPU of compute
+    capability 9 or more (or Triton's interpreter). Rows, columns and D beyond the tensor read as zeros.
     Measured on the H200: exact calls' forward 13-15 % faster, forward and backward 4-7 %
     (benchmarks/NOTES.md row 110)."""
     desc_type = _descriptor_type()
-    if desc_type is None or row_stride is None or c.dtype != e.dtype or e.element_size() != 2:
-        return None
+    if desc_type is None or e.element_size() != 2 or n_rows == 0 or e.stride(-1) != 1:
+        return None, None
     if not (e.device.type == "cpu" and interpreting()) and not _tma_device(e.device):
-        return None
-    D = e.shape[-1]
-    if e.stride(-1) != 1 or c.stride(1) != 1 or (row_stride * 2) % 16 or (c.stride(0) * 2) % 16 \
-            or e.data_ptr() % 16 or c.data_ptr() % 16 or n_rows == 0:
-        return None
+        return None, None
     if max(variant.block_b, variant.block_v, variant.block_d) > _BOX or variant.block_d * 2 < 16:
-        return None
-    return (desc_type(e, [n_rows, D], [row_stride, 1], [variant.block_b, variant.block_d]),
-            desc_type(c, [c.shape[0], D], [c.stride(0), 1], [variant.block_v, variant.block_d]))
+        return None, None
+    D = e.shape[-1]
+    e_desc = c_desc = None
+    if row_stride is not None and (row_stride * 2) % 16 == 0 and e.data_ptr() % 16 == 0:
+        e_desc = desc_type(e, [n_rows, D], [row_stride, 1], [variant.block_b, variant.block_d])
+    if c_by_position and c.dtype == e.dtype and c.shape[0] > 0 and c.stride(1) == 1 \
+            and (c.stride(0) * 2) % 16 == 0 and c.data_ptr() % 16 == 0:
+        c_desc = desc_type(c, [c.shape[0], D], [c.stride(0), 1], [variant.block_v, variant.block_d])
+    return e_desc, c_desc
 
 
 _FOUND: dict = {}

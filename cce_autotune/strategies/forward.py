@@ -107,15 +107,14 @@ def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_lo
         out = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
         locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
     record = q is not None
-    # (TMA descriptors only where the vocabulary is walked by position: a walked order gathers C's rows)
-    desc = tma_descriptors(e, c, rows.n, rows.dense_stride, variant) if perm is None else None
+    # (C's rows are walked by position unless a walked order gathers them from the whole classifier)
+    e_desc, c_desc = tma_descriptors(e, c, rows.n, rows.dense_stride, variant, c_by_position=perm is None or c_local)
     fl = flags(e, c, bias, softcap, variant.block_d, rows, walk_perm=perm is not None, tile_map=record,
-               c_local=c_local, descriptors=desc is not None)
+               c_local=c_local, e_desc=e_desc is not None, c_desc=c_desc is not None)
     kernel = load_kernel(variant, fl)
     grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
-    e_arg, c_arg = desc if desc is not None else (e, c)
     kernel[grid](
-        e_arg, c_arg, bias if bias is not None else c, rows.offsets, out, locks,
+        e if e_desc is None else e_desc, c if c_desc is None else c_desc, bias if bias is not None else c, rows.offsets, out, locks,
         perm if perm is not None else rows.offsets,
         zt if record else out, q if record else out,
         n_rows, V, e.shape[-1], rows.stride, e.stride(-1), c.stride(0), c.stride(1), softcap_arg(softcap),
