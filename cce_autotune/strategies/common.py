@@ -130,7 +130,7 @@ def tma_descriptors(e, c, n_rows: int, row_stride: int | None, variant, c_by_pos
     along D, 16-byte aligned bases and row strides, tiles within a TMA box, a GPU of compute
     capability 9 or more (or Triton's interpreter). Rows, columns and D beyond the tensor read as zeros.
     Measured on the H200: exact calls' forward 13-15 % faster, forward and backward 4-7 %
-    (benchmarks/NOTES.md row 110)."""
+    (benchmarks/NOTES.md row 110); E's alone in a walked order neither faster nor slower (row 114)."""
     desc_type = _descriptor_type()
     if desc_type is None or e.element_size() != 2 or n_rows == 0 or e.stride(-1) != 1:
         return None, None
