@@ -275,7 +275,8 @@ class Chunked(Strategy):
                     grid = (triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v),)
                     offsets, tpos, lse_g, cs, ct, live_g, mass_g = per_group[j]
                     kernel[grid](
-                        grp.e if e_descs[j] is None else e_descs[j], c_arg if c_desc is None else c_desc, bias if bias is not None else c, offsets, grp.g_offsets, tpos,
+                        grp.e if e_descs[j] is None else e_descs[j], c_arg if c_desc is None else c_desc,
+                        bias if bias is not None else c, offsets, grp.g_offsets, tpos,
                         lse_g, cs, ct, perm if perm is not None else target_pos, live_g, g_buf,
                         dbias_k if dbias_k is not None else lse,
                         grp.n, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), g_buf.stride(0),

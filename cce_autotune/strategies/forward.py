@@ -114,7 +114,8 @@ def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_lo
     kernel = load_kernel(variant, fl)
     grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
     kernel[grid](
-        e if e_desc is None else e_desc, c if c_desc is None else c_desc, bias if bias is not None else c, rows.offsets, out, locks,
+        e if e_desc is None else e_desc, c if c_desc is None else c_desc,
+        bias if bias is not None else c, rows.offsets, out, locks,
         perm if perm is not None else rows.offsets,
         zt if record else out, q if record else out,
         n_rows, V, e.shape[-1], rows.stride, e.stride(-1), c.stride(0), c.stride(1), softcap_arg(softcap),
