@@ -263,6 +263,8 @@ def test_kernels_read_through_descriptors_where_the_layout_allows(monkeypatch, d
     assert has(real(e, c.float(), dense.n, dense.dense_stride, v, c_by_position=True)) == (True, False)
     odd = torch.zeros((42, 41), dtype=dtype, device=e.device)[:, :40]  # rows 82 bytes apart
     assert has(real(odd, c, 42, 41, v, c_by_position=True)) == (False, True)
+    strided = torch.zeros((42, 80), dtype=dtype, device=e.device)[:, ::2]  # e not contiguous along D
+    assert has(real(strided, c, 42, 80, v, c_by_position=True)) == (False, True)
 
 
 def test_a_walked_order_reads_e_through_a_descriptor(monkeypatch, device):

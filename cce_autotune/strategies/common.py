@@ -132,7 +132,7 @@ def tma_descriptors(e, c, n_rows: int, row_stride: int | None, variant, c_by_pos
     Measured on the H200: exact calls' forward 13-15 % faster, forward and backward 4-7 %
     (benchmarks/NOTES.md row 110); E's alone in a walked order neither faster nor slower (row 114)."""
     desc_type = _descriptor_type()
-    if desc_type is None or e.element_size() != 2 or n_rows == 0 or e.stride(-1) != 1:
+    if desc_type is None or e.element_size() != 2 or n_rows == 0:
         return None, None
     if not (e.device.type == "cpu" and interpreting()) and not _tma_device(e.device):
         return None, None
@@ -140,7 +140,7 @@ def tma_descriptors(e, c, n_rows: int, row_stride: int | None, variant, c_by_pos
         return None, None
     D = e.shape[-1]
     e_desc = c_desc = None
-    if row_stride is not None and (row_stride * 2) % 16 == 0 and e.data_ptr() % 16 == 0:
+    if row_stride is not None and e.stride(-1) == 1 and (row_stride * 2) % 16 == 0 and e.data_ptr() % 16 == 0:
         e_desc = desc_type(e, [n_rows, D], [row_stride, 1], [variant.block_b, variant.block_d])
     if c_by_position and c.dtype == e.dtype and c.shape[0] > 0 and c.stride(1) == 1 \
             and (c.stride(0) * 2) % 16 == 0 and c.data_ptr() % 16 == 0:
