@@ -16,7 +16,7 @@ from . import distributed
 from .data import captured
 from .options import Options, option_docs, option_names, option_parameters
 from .runtime import ops  # noqa: F401 - registers the operators torch.ops.cce_autotune.lce_forward/backward
-from .runtime.call import pred_shape
+from .runtime.call import pred_shape, rows_flatten
 from .variant import KernelVariants
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
@@ -181,7 +181,7 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
     if captured.active():  # a capture() block is open: save what this call sees (eager only; checked options)
         captured.record(e, c, targets, bias, options.get("softcap"), options.get("ignore_index", -100), shift)
     T = e.shape[-2]
-    moved = shift > 0 and _rows_flatten(e)
+    moved = shift > 0 and rows_flatten(e)
     if moved:
         # The shift as ignored targets: the targets move ``shift`` places left and the last ``shift``
         # positions of each sequence are ignored, so every row of e takes part and e stays one dense
@@ -201,13 +201,6 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
             return loss, lse.view(e.shape[:-1]).narrow(-1, 0, T - shift).contiguous()
         return loss, lse.view(pred_shape(e.shape[:-1], shift))
     return loss
-
-
-def _rows_flatten(e: torch.Tensor) -> bool:
-    """Whether e's batch dimensions flatten into one row stride (``e.view(-1, D)`` is a view), from
-    its sizes and strides alone (traceable)."""
-    dims = [(n, s) for n, s in zip(e.shape[:-1], e.stride()[:-1]) if n != 1]
-    return all(s_outer == s_inner * n_inner for (_, s_outer), (n_inner, s_inner) in zip(dims, dims[1:]))
 
 
 linear_cross_entropy.__doc__ = linear_cross_entropy.__doc__.format(options=option_docs(" " * 8))

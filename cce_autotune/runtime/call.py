@@ -22,7 +22,7 @@ from ..options import Options
 from ..plans import CallProblem
 from ..strategies.common import RowLayout
 
-__all__ = ["Call", "prepare", "pred_shape", "raise_landed_checks"]
+__all__ = ["Call", "prepare", "pred_shape", "raise_landed_checks", "rows_flatten"]
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Call:
         return CallProblem(
             n=self.n_rows, n_all=e.numel() // D, V=self.V, D=D, elem=e.element_size(),
             grad_bytes=sum(t.numel() * t.element_size() for t in (e, c, bias) if t is not None),
-            e_view=_views_as_matrix(e), sorted_vocab=tile_map is not None,
+            e_view=rows_flatten(e), sorted_vocab=tile_map is not None,
             map_bytes=tile_map.nbytes if tile_map is not None else 0, c_elem=c.element_size(),
             cast_bytes=self.V * D * e.element_size() if c.dtype != e.dtype else 0,
         )
@@ -248,9 +248,10 @@ def _row_layout(e, shape, row_strides) -> RowLayout:
     return RowLayout(offsets=offsets, de_offsets=de_offsets, dense_stride=dense_stride, aligned=aligned)
 
 
-def _views_as_matrix(e: torch.Tensor) -> bool:
-    try:
-        e.view(-1, e.shape[-1])
+def rows_flatten(e: torch.Tensor) -> bool:
+    """Whether e's batch dimensions flatten into one row stride (``e.view(-1, D)`` is a view), from
+    its sizes and strides alone (traceable; an empty e always views)."""
+    if e.numel() == 0:
         return True
-    except RuntimeError:
-        return False
+    dims = [(n, s) for n, s in zip(e.shape[:-1], e.stride()[:-1]) if n != 1]
+    return all(s_outer == s_inner * n_inner for (_, s_outer), (n_inner, s_inner) in zip(dims, dims[1:]))
