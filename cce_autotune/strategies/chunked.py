@@ -238,8 +238,10 @@ class Chunked(Strategy):
             # them (see tma_descriptors): the same C every chunk, whose rows are walked by position in
             # the natural order or as the converted chunk. One kernel serves every group.
             c_read = c if c_buf is None else c_buf
+            by_position = perm is None or c_buf is not None
             descs = [tma_descriptors(grp.e, c_read, grp.n, rows.dense_stride, variant,
-                                     c_by_position=perm is None or c_buf is not None) for grp in groups]
+                                     c_by_position=by_position and j == 0)  # (C's once: every group reads it)
+                     for j, grp in enumerate(groups)]
             e_descs = [d[0] for d in descs] if all(d[0] is not None for d in descs) else [None] * len(groups)
             c_desc = descs[0][1]
             kernel = load_kernel(variant, flags(e, c_read, bias, softcap, variant.block_d, rows,
