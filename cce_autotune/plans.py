@@ -34,6 +34,7 @@ class CallProblem:
     map_bytes: int = 0  # the forward's tile map, alive during the backward
     c_elem: int = 0  # bytes per classifier element (0: as e's): dC's
     cast_bytes: int = 0  # a classifier whose dtype is not e's: its copy in e's dtype (V x D x elem)
+    dense_rows: bool = True  # problem row i is row i of E (no table of row offsets)
 
     @property
     def dc_elem(self) -> int:
@@ -64,6 +65,7 @@ class BackwardPlan:
     window_v: int = 0  # tiles with a map: walked positions per fp32 dC window (0: one V x D scratch)
     de_fp32: bool = True  # chunked: dE accumulated in an fp32 buffer (else in dE's own dtype)
     dc_fp32: bool = False  # fused: a 16-bit dC summed over the blocks in an fp32 accumulator
+    tile_products: bool = False  # chunked: dE and dC formed over the live tiles only (Triton), not by cuBLAS
     filter_eps: float | None = None  # the filter this plan's live grid used, when lowered from the call's
     live: float | None = None  # live-tile share the map measured
     live_chunks: float | None = None  # chunked: share of vocabulary chunks with a live tile
@@ -80,6 +82,8 @@ class BackwardPlan:
             parts.append(f"chunks of {self.chunk_v}, dE accumulated in {'fp32' if self.de_fp32 else 'its dtype'}")
             if self.row_group:
                 parts.append(f"rows in groups of {self.row_group}")
+            if self.tile_products:
+                parts.append("products by live tile")
         if self.window_v:
             parts.append(f"dC windows of {self.window_v}")
         if self.row_block:

@@ -223,11 +223,11 @@ class BackwardVariant(_TiledVariant):
       the live share the tile map measures, the cost model and the memory budget
       (:mod:`cce_autotune.planning.planner`); the name of a strategy of :mod:`cce_autotune.strategies`
       is honoured when it fits the budget.
-    - The knobs that one strategy alone reads: ``accum`` and ``num_locks`` (the tiles strategy:
+    - The knobs that only some strategies read: ``accum`` and ``num_locks`` (the tiles strategy:
       ``"fp32"`` atomics into fp32 scratch, or ``"native"`` read-modify-write in the input dtype under
       a pool of ``num_locks`` spin locks), ``chunk_v`` (the chunked strategy's widest chunk) and
-      ``out_block_d`` (the D width of the sparse strategy's dE / dC passes); each strategy's module
-      lists its own (``Strategy.knobs``).
+      ``out_block_d`` (the D width of the sparse strategy's dE / dC passes and of the chunked
+      strategy's products by live tile); each strategy's module lists its own (``Strategy.knobs``).
     """
 
     kernel: ClassVar[str] = "backward"

@@ -140,14 +140,24 @@ def test_every_plan_fits_the_default_budget(name, live):
     assert exact.strategy == "chunked" and exact.de_fp32 and exact.extra_bytes <= budget
 
 
-def test_few_live_tiles_take_the_tile_kernel_many_take_the_chunked_strategy():
+def test_few_live_tiles_take_the_tile_kernel_some_the_products_by_tile_many_cublas():
+    # Unlimited memory at Llama 3's head: few live tiles take the tile kernel (one V x D scratch); a
+    # fifth of them the chunked strategy with its products over the live tiles; most of them the
+    # chunked strategy with cuBLAS's products over whole chunks.
     p = problem("llama3")
     few = plan_backward(p, BackwardVariant(), has_map=True, live=0.05, live_blocks=0.5, budget=None)
+    some = plan_backward(p, BackwardVariant(), has_map=True, live=0.2, live_blocks=1.0, budget=None)
     many = plan_backward(p, BackwardVariant(), has_map=True, live=0.9, live_blocks=1.0, budget=None)
-    assert few.strategy == "tiles" and few.window_v == 0  # unlimited: one V x D scratch
-    assert many.strategy == "chunked"
-    assert few.cost < many.cost
-    assert "chunked" in dict((a[0], a) for a in few.alternatives)
+    assert few.strategy == "tiles" and few.window_v == 0
+    assert some.strategy == "chunked" and some.tile_products and "products by live tile" in some.describe()
+    assert many.strategy == "chunked" and not many.tile_products
+    assert few.cost < some.cost < many.cost
+    assert "chunked" in {a[0] for a in few.alternatives} and {"tiles", "sparse"} <= {a[0] for a in some.alternatives}
+    # Rows that are not dense (a table of offsets) keep cuBLAS's products.
+    table = plan_backward(replace(p, dense_rows=False), BackwardVariant(), has_map=True, live=0.2, live_blocks=1.0,
+                          budget=None)
+    assert table.strategy != "chunked" or not table.tile_products
+    assert table.cost > some.cost
 
 
 def test_an_explicit_strategy_runs_when_it_fits_and_is_replaced_when_it_does_not():
@@ -385,21 +395,29 @@ def lm_inputs(batch, V, D, dtype, *, bias=False, seed=0, peaked=0.0, device="cpu
     ("chunked", dict(chunk=(64, True, 32)), torch.bfloat16),  # and rows in groups (shift: holes in g)
     ("chunked", dict(chunk=(64, False, 0)), torch.bfloat16),  # dE accumulated in its own dtype
     ("chunked", dict(chunk=(64, False, 0)), torch.float32),
+    ("chunked, tile products", dict(chunk=(64, True, 0)), torch.bfloat16),   # the products by live tile
+    ("chunked, tile products", dict(chunk=(64, True, 32)), torch.bfloat16),  # dC summed over the groups
+    ("chunked, tile products", dict(chunk=(64, False, 0)), torch.float32),   # into dE's own dtype
     ("tiles", dict(window=64), torch.bfloat16),            # the tile kernel with dC in windows
 ], ids=str)
 @pytest.mark.parametrize("eps", [2.0**-12, 2.0**-6])
-def test_plan_shapes_match_the_oracle(strategy, shapes, dtype, eps, device, monkeypatch, no_accuracy_guard, planned):
+def test_plan_shapes_match_the_oracle(strategy, shapes, dtype, eps, device, monkeypatch, no_accuracy_guard, set_costs,
+                                      planned):
     # Odd shapes, ignored rows, shift, bias, softcap, a primed order (so the map path runs); with
     # eps = 2^-6 whole chunks are dead and skipped (their target terms come from outside).
     import test_loss
 
     _force(monkeypatch, **shapes)
     monkeypatch.setattr(test_loss, "make_inputs", lm_inputs)
+    tile_products = strategy.endswith("tile products")
+    strategy = strategy.split(",")[0]
+    # (the products the planner takes, by their cost; no host time, which would hide the difference)
+    set_costs(tile_products=0.0 if tile_products else 1e9, chunk_ms=0.0, gather_chunk_ms=0.0)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy=strategy))
     res, (e, c, t, b) = run_case((3, 41), 601, 45, dtype, variants=kv, bias=True, softcap=30.0, shift=1,
                                  ignore=0.1, peaked=3.0, filter_eps="auto", walk="sorted", device=device)
     plan = planned[-1].call.backward
-    assert plan.strategy == strategy and plan.use_map
+    assert plan.strategy == strategy and plan.use_map and plan.tile_products == tile_products
     if strategy == "chunked" and eps == 2.0**-6:
         assert plan.live_chunks < 1.0, "the test should skip whole chunks"
     bound_de, bound_dc = filtered_bound(e[:, :-1], c, t[:, 1:], b, eps)

@@ -188,31 +188,70 @@ def test_mapped_strategies_drop_exactly_what_the_map_skips(V, budget, device, no
     # strategy must drop exactly that: the tile kernel, whose tiles are narrower than the forward's,
     # would otherwise also skip the half-tiles of a live forward tile whose softmax is below the
     # filter (at 2^-6 here that changed 46-71 % of dE's elements).
+    # The chunked strategy runs with both products: cuBLAS's over whole chunks, and those by live tile.
     set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, window_ms=0.0, pause_share=float("inf"))
     e, c, t, _ = make_inputs((3, 29), V, 45, torch.float32, peaked=2.0, device=device)
     grads = {}
-    for strategy in ("chunked", "tiles"):
-        kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy=strategy))
+    for name, strategy, tile_products in (("chunked", "chunked", False), ("tile products", "chunked", True),
+                                          ("tiles", "tiles", False)):
+        set_costs(tile_products=0.0 if tile_products else 1e9)
+        kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy=strategy, chunk_v=64))
         ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
         prime_order(cc, ee, "sorted")
         linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, max_extra_memory=budget).backward()
         plan = planned[-1].call.backward
-        assert plan.use_map and plan.strategy == strategy and (strategy != "tiles" or bool(plan.window_v) == bool(budget))
-        grads[strategy] = ee.grad, cc.grad
-    torch.testing.assert_close(grads["tiles"][0], grads["chunked"][0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grads["tiles"][1], grads["chunked"][1], rtol=1e-5, atol=1e-6)
+        assert plan.use_map and plan.strategy == strategy and plan.tile_products == tile_products
+        assert strategy != "tiles" or bool(plan.window_v) == bool(budget)
+        grads[name] = ee.grad, cc.grad
+    for name in ("chunked", "tile products"):
+        torch.testing.assert_close(grads["tiles"][0], grads[name][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grads["tiles"][1], grads[name][1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy, budget", [("tiles", None), ("tiles", 300_000), ("sparse", None)],
-                         ids=["tiles", "tiles in dC windows", "sparse"])
+@pytest.mark.parametrize("converted", [False, True], ids=["16-bit classifier", "fp32 classifier, converted chunks"])
+def test_products_by_live_tile_match_cublas_products(converted, device, no_accuracy_guard, set_costs, planned,
+                                                      monkeypatch):
+    # The chunked strategy's two ways of forming dE and dC from the same g blocks agree: cuBLAS over
+    # whole chunks, and the Triton kernels over the live tiles, which read C's rows and write dC's
+    # through the walked order (or the chunk converted from an fp32 classifier, in that order), with
+    # several chunks (the last one short), ignored rows, shift and a bias.
+    from cce_autotune.planning import planner
+
+    if converted:
+        monkeypatch.setattr(planner, "_converts", lambda *a: False)  # (a chunk at a time, not the whole copy)
+    set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, pause_share=float("inf"))
+    e, c, t, b = make_inputs((3, 29), 1000, 45, torch.bfloat16, bias=True, peaked=2.0, device=device)
+    if converted:
+        c, b = c.float() + 1e-3 * torch.randn(c.shape, device=device), b.float()
+    t[0, 3] = -100
+    grads = {}
+    for tile_products in (False, True):
+        set_costs(tile_products=0.0 if tile_products else 1e9)
+        kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=128))
+        ee, cc, bb = (x.clone().requires_grad_() for x in (e, c, b))
+        prime_order(cc, ee, "sorted")
+        linear_cross_entropy(ee, cc, t, bb, impl="triton", variants=kv, shift=1).backward()
+        plan = planned[-1].call.backward
+        assert plan.use_map and plan.strategy == "chunked" and plan.tile_products == tile_products, plan.describe()
+        assert plan.live < 1.0
+        grads[tile_products] = ee.grad, cc.grad, bb.grad
+    for ours, ref in zip(grads[True], grads[False]):
+        assert ours.dtype == ref.dtype
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("strategy, budget", [("tiles", None), ("tiles", 300_000), ("sparse", None), ("chunked", None)],
+                         ids=["tiles", "tiles in dC windows", "sparse", "chunked, tile products"])
 def test_mapped_strategies_read_nothing_back(strategy, budget, device, no_accuracy_guard, set_costs, planned,
                                              monkeypatch):
     # The strategies that launch from the live grid size their launches by the counts the planner's
-    # one copy brought (plan.columns): their run reads no tensor back to the host (on a GPU each
-    # read would wait for the device), and computes what it did when it counted for itself.
+    # one copy brought (plan.columns; the chunked strategy's products by live tile build their lists
+    # on the device): their run reads no tensor back to the host (on a GPU each read would wait for
+    # the device), and computes what it did when it counted for itself.
     from cce_autotune import strategies
 
-    set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, window_ms=0.0, pause_share=float("inf"))
+    set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, window_ms=0.0, pause_share=float("inf"),
+              tile_products=0.0)
     e, c, t, _ = make_inputs((3, 29), 2100, 45, torch.float32, peaked=2.0, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy=strategy))
     chosen = strategies.get(strategy)
@@ -246,6 +285,7 @@ def test_mapped_strategies_read_nothing_back(strategy, budget, device, no_accura
             linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, max_extra_memory=budget).backward()
         plan = planned[-1].call.backward
         assert plan.use_map and plan.strategy == strategy and bool(plan.window_v) == bool(budget)
+        assert plan.tile_products == (strategy == "chunked")
         grads.append((ee.grad, cc.grad))
     assert reads == []
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7)

@@ -666,6 +666,7 @@ def plan_backward(p: CallProblem, variant, *, has_map: bool, live: float | None 
     return BackwardPlan(
         strategy=choice, use_map=opt.use_map, chunk_v=sizes.get("chunk_v", 0), row_group=sizes.get("row_group", 0),
         de_fp32=sizes.get("de_fp32", True), window_v=sizes.get("window_v", 0), live=live if use_map else None,
+        tile_products=sizes.get("tile_products", False),
         live_chunks=sizes.get("live_chunks"), cost=opt.cost, extra_bytes=opt.extra_bytes, budget=budget, reason=why,
         alternatives=tuple(alternatives),
     )

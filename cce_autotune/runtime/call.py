@@ -126,6 +126,7 @@ class Call:
             e_view=rows_flatten(e), sorted_vocab=tile_map is not None,
             map_bytes=tile_map.nbytes if tile_map is not None else 0, c_elem=c.element_size(),
             cast_bytes=self.V * D * e.element_size() if c.dtype != e.dtype else 0,
+            dense_rows=self.layout is None or self.layout.dense_stride is not None,
         )
 
 

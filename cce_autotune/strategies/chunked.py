@@ -1,9 +1,13 @@
 """The chunked strategy: per vocabulary chunk (and group of rows), a kernel writes the gradient block
 g of the rows to a small buffer (dead tiles as zeros, without recomputing them) and cuBLAS forms
-dC[chunk] = g^T E and dE += g C[chunk]; chunks without a live tile are skipped.
+dC[chunk] = g^T E and dE += g C[chunk]; chunks without a live tile are skipped. With a plan's
+``tile_products`` (launched from the map, rows dense), two Triton kernels form those products over
+the live (row block, tile) pairs of g only, from lists built on the device: where few of a chunk's
+tiles are live, they skip what cuBLAS would multiply as zeros.
 
-Cost: ``recompute`` x live tiles + (``products`` + the buffers' traffic) x live chunks, or the host's
-time to launch the blocks where that is longer. Memory: the g block (rows x chunk_v), the gathered C
+Cost: ``recompute`` x live tiles + (``products`` + the buffers' traffic) x live chunks (with tile
+products, ``tile_products`` x live tiles + the traffic x live chunks), or the host's time to launch
+the blocks where that is longer. Memory: the g block (rows x chunk_v), the gathered C
 and dC rows of a chunk in a sorted order, and an fp32 dE (4·n·D). Where the g block of every row does
 not fit beside it, rows go in groups (``row_group`` rows per block of g; dC[chunk] summed over the
 groups in an fp32 (chunk_v x D) buffer, one rounding): dE stays fp32 at any number of tokens. Only
@@ -33,12 +37,19 @@ from .common import (
     tma_descriptors,
 )
 
-__all__ = ["Chunked", "STRATEGY", "shape", "extra_bytes", "cost", "chunk_grid"]
+__all__ = ["Chunked", "STRATEGY", "shape", "extra_bytes", "cost", "chunk_grid", "tile_products_apply", "listed_tiles",
+           "live_lists"]
+
+LIST_BYTES = 32  # per tile of the live grid: two int32 lists, and their sort's int64 indices and keys
+PRODUCT_K = 64  # the tile products' step along the summed dimension (at most a tile's side)
 
 
 # -- formulas -------------------------------------------------------------------------------------
-def extra_bytes(p: CallProblem, chunk_v: int, de_fp32: bool, use_map: bool, row_group: int = 0) -> int:
-    """The chunked strategy's peak extra memory (see the module docstring)."""
+def extra_bytes(p: CallProblem, chunk_v: int, de_fp32: bool, use_map: bool, row_group: int = 0,
+                list_tiles: int = 0) -> int:
+    """The chunked strategy's peak extra memory (see the module docstring); ``list_tiles``: with tile
+    products, the tiles of the live grid, whose lists they build (they read C's rows and write dC's
+    in the walked order where they lie: nothing gathered)."""
     w = min(chunk_v, p.V)
     grouped = 0 < row_group < p.n
     g_rows = -(-row_group * p.n_all // max(1, p.n)) if grouped else p.n_all  # a group's rows of E
@@ -47,20 +58,24 @@ def extra_bytes(p: CallProblem, chunk_v: int, de_fp32: bool, use_map: bool, row_
         b += 4 * w * p.D  # dC[chunk] summed over the groups in fp32
     if de_fp32:
         b += 4 * p.n_all * p.D
-    if p.sorted_vocab:
+    if p.sorted_vocab and not list_tiles:
         b += 2 * p.elem * w * p.D  # C[chunk] gathered, dC[chunk] before its scatter
+    elif p.sorted_vocab and grouped:
+        b += p.elem * w * p.D  # (tile products read C and write dC through the order) the summed dC[chunk] cast
     if not p.e_view:
         b += p.elem * p.n_all * p.D  # E copied into a matrix
     if not use_map:
         return b
     b += 4 * min(1024, p.n) * p.D  # target terms outside the launched tiles, in pieces (only with a map)
+    b += LIST_BYTES * list_tiles  # the tile products' live lists (and their sort's scratch)
     # The map stays alive; the transient comparison that turns it into the live grid is freed
     # before these buffers are allocated, so the peak is the larger of the two.
     return p.map_bytes + max(b, p.map_bytes)
 
 
 def shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact: bool, costs) -> tuple[int, bool, int]:
-    """(chunk_v, de_fp32, row_group) of the chunked strategy under ``budget``.
+    """(chunk_v, de_fp32, row_group) of the chunked strategy under ``budget`` (with cuBLAS's products:
+    the tile products, where the plan takes them, run in the same shape).
 
     dE is accumulated in fp32 whenever any shape fits: every chunk width from the variant's down to
     256 columns with all rows in one g block, and the power-of-two row groups of at least
@@ -114,6 +129,42 @@ def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact
         w = w // 2 // block_v * block_v
 
 
+def tile_products_apply(p: CallProblem, use_map: bool) -> bool:
+    """Whether the products can go by live tile: the backward launches from the map (its live grid),
+    and problem row i is row i of E (so a row block of the grid is a block of g's rows)."""
+    return use_map and p.dense_rows
+
+
+def listed_tiles(p: CallProblem, variant, use_map: bool) -> int:
+    """The tiles of the live grid whose lists the tile products would build (0 where they cannot run)."""
+    return -(-p.n // variant.block_b) * -(-p.V // variant.block_v) if tile_products_apply(p, use_map) else 0
+
+
+def live_lists(live_grid, chunk_tiles: int, group_blocks: int = 0) -> tuple:
+    """The tile products' lists, on the device, from the (row blocks, tiles) live grid, for chunks of
+    ``chunk_tiles`` tiles and groups of ``group_blocks`` row blocks (0: one group):
+
+    - ``row_idx`` (row blocks, chunks x chunk_tiles) int32: per row block and chunk, the chunk's tiles
+      (0 .. chunk_tiles - 1), the live ones first; ``row_cnt`` (row blocks, chunks): how many are live;
+    - ``col_idx`` (groups, tiles, blocks per group) int32: per row group and tile, the group's row
+      blocks (0 .. group_blocks - 1), the live ones first; ``col_cnt`` (groups, tiles): how many.
+
+    Row blocks and tiles beyond the grid (the last chunk's and group's padding) are dead."""
+    Rb, T = live_grid.shape
+    cb = chunk_tiles
+    K = -(-T // cb)
+    rg = group_blocks if 0 < group_blocks < Rb else max(1, Rb)
+    G = -(-Rb // rg)
+    padded = torch.zeros((G * rg, K * cb), dtype=torch.bool, device=live_grid.device)
+    padded[:Rb, :T] = live_grid
+    dead = (~padded).to(torch.uint8)  # (a stable sort of the dead flags puts the live entries first)
+    row_idx = torch.argsort(dead.view(G * rg, K, cb), dim=-1, stable=True).to(torch.int32).view(G * rg, K * cb)
+    row_cnt = padded.view(G * rg, K, cb).sum(-1, dtype=torch.int32)
+    col_idx = torch.argsort(dead.view(G, rg, K * cb).transpose(1, 2), dim=-1, stable=True).to(torch.int32)
+    col_cnt = padded.view(G, rg, K * cb).sum(1, dtype=torch.int32)
+    return row_idx.contiguous(), row_cnt, col_idx.contiguous(), col_cnt
+
+
 def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):
     """(chunks, row groups) bool: which (vocabulary chunk, row group) blocks of the chunked strategy
     hold a live tile, from the (row blocks, tiles) live grid; ``group_blocks`` row blocks per group
@@ -129,19 +180,22 @@ def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):
 
 
 def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, de_fp32: bool,
-         row_group: int = 0) -> float:
+         row_group: int = 0, tile_products: bool = False) -> float:
     """The chunked strategy's estimate: recompute of the live tiles, and per live chunk the two
     products plus the traffic of the g block (written, read twice), of dE (read, written) and, with
     row groups, of the fp32 dC[chunk] they sum into (read, written per group) - or the host's time to
     launch the (chunk, row group) blocks, where that is longer. ``live_chunks``: the share of those
-    blocks that hold a live tile."""
+    blocks that hold a live tile. ``tile_products``: the products are formed over the live tiles
+    only (``tile_products`` per unit of live-tile share, in place of ``products`` per live chunk)."""
     grouped = 0 < row_group < p.n
     traffic = (1.5 * p.elem * costs.flops_per_byte / p.D + (4 if de_fp32 else 2) * costs.flops_per_byte / max(1, chunk_v)
                + (4 * costs.flops_per_byte / row_group if grouped else 0.0))
-    device = costs.recompute * live + live_chunks * (costs.products + traffic)
+    products = costs.tile_products * live if tile_products else costs.products * live_chunks
+    device = costs.recompute * live + products + live_chunks * traffic
     n_chunks = -(-p.V // max(1, chunk_v))
     n_groups = -(-p.n // row_group) if grouped else 1
-    gather = costs.gather_chunk_ms if p.sorted_vocab else 0.0
+    # (tile products read C's rows and write dC's through the order: only a sum over groups scatters)
+    gather = costs.gather_chunk_ms if p.sorted_vocab and (grouped or not tile_products) else 0.0
     host = live_chunks * n_chunks * (costs.chunk_ms * n_groups + gather) / mm_ms(p, costs)
     return max(device, host)
 
@@ -151,7 +205,7 @@ class Chunked(Strategy):
     name = "chunked"
     template = "backward_chunked.py.j2"
     kernel_function = "cce_grad_chunk_kernel"
-    knobs = ("chunk_v",)
+    knobs = ("chunk_v", "out_block_d")
     deterministic = True
     takes_correction = True
     forward_tiles = True
@@ -159,6 +213,8 @@ class Chunked(Strategy):
         Coefficient("recompute", 1.25, "the gradient kernel, per unit of live-tile share", fitted=True),
         Coefficient("products", 2.0, "its two cuBLAS products, per unit of live-chunk share (also the fused "
                     "strategy's three products' unit)", fitted=True),
+        Coefficient("tile_products", 4.1, "the same two products formed by live tile (Triton kernels), per unit "
+                    "of live-tile share", fitted=True),
         Coefficient("chunk_ms", 0.19, "host time per chunk (a kernel launch, two cuBLAS calls)"),
         Coefficient("gather_chunk_ms", 0.1, "and more per chunk in a sorted order (C and dC rows gathered)"),
         Coefficient("row_group_min", 1024, "fewest rows per group: fewer starve cuBLAS's dC product (a power of two, "
@@ -173,11 +229,19 @@ class Chunked(Strategy):
 
     def option(self, ctx: PlanContext) -> Option:
         p, v, costs = ctx.problem, ctx.variant, ctx.costs
+        n_lists = listed_tiles(p, v, ctx.use_map and not ctx.exact)
         w, de_fp32, rg = shape(p, v.block_v, v.chunk_v, ctx.budget, ctx.exact, costs)
-        return Option(ctx.fixed + cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg),
-                      extra_bytes(p, w, de_fp32, ctx.use_map, rg), use_map=ctx.use_map,
-                      sizes=dict(chunk_v=w, row_group=rg, de_fp32=de_fp32,
-                                 live_chunks=ctx.live_blocks if ctx.use_map else None))
+        est = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg)
+        mem = extra_bytes(p, w, de_fp32, ctx.use_map, rg)
+        sizes = dict(chunk_v=w, row_group=rg, de_fp32=de_fp32, live_chunks=ctx.live_blocks if ctx.use_map else None)
+        if n_lists:
+            # The products over the live tiles only, where they cost less than cuBLAS's over whole chunks.
+            est_t = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, tile_products=True)
+            mem_t = extra_bytes(p, w, de_fp32, True, rg, n_lists)
+            fits = ctx.budget is None or mem_t <= ctx.budget
+            if fits and (est_t < est or (ctx.budget is not None and mem > ctx.budget)):
+                est, mem, sizes = est_t, mem_t, {**sizes, "tile_products": True}
+        return Option(ctx.fixed + est, mem, use_map=ctx.use_map, sizes=sizes)
 
     def blocks(self, live, ctx: PlanContext):
         v = ctx.variant
@@ -199,7 +263,9 @@ class Chunked(Strategy):
         ``plan.de_fp32`` and else in dE itself (fp32 inside cuBLAS, one rounding per live chunk), and
         dC[chunk] = g^T E (one rounding; with row groups summed over the groups in an fp32 buffer
         first). ``args.blocks[k * groups + j]``: whether chunk k holds a live tile in row group j. No
-        atomics (but the live mass of the dead-tile correction); no V x D scratch.
+        atomics (but the live mass of the dead-tile correction); no V x D scratch. With
+        ``plan.tile_products`` the two products go over the live (row block, tile) pairs of the group
+        only (:func:`live_lists`; dense rows: row block b of the grid is a block of g's rows).
 
         With ``args.correction`` (the dead-tile correction's direction), the kernel sums each row's
         softmax mass in the tiles it computes, and row i's dE gains ``coef_s[i] * (1 - that mass) *
@@ -244,10 +310,10 @@ class Chunked(Strategy):
                      for j, grp in enumerate(groups)]
             e_descs = [d[0] for d in descs] if all(d[0] is not None for d in descs) else [None] * len(groups)
             c_desc = descs[0][1]
-            kernel = load_kernel(variant, flags(e, c_read, bias, softcap, variant.block_d, rows,
-                                                tile_live=use_live, c_local=c_buf is not None,
-                                                live_mass=mass is not None, e_desc=e_descs[0] is not None,
-                                                c_desc=c_desc is not None))
+            kernel_flags = flags(e, c_read, bias, softcap, variant.block_d, rows, tile_live=use_live,
+                                 c_local=c_buf is not None, live_mass=mass is not None,
+                                 e_desc=e_descs[0] is not None, c_desc=c_desc is not None)
+            kernel = load_kernel(variant, kernel_flags)
             # Rows of E that no problem row reads (shift, ignored rows) keep a zero gradient row in g.
             g_rows = max(grp.span for grp in groups)
             g_buf = (torch.zeros if n < N else torch.empty)((g_rows, W), dtype=e.dtype, device=dev)
@@ -260,6 +326,8 @@ class Chunked(Strategy):
             # ... and its rows of E, of the dE accumulator and of g, for the products.
             views = [(e2[gr.first : gr.first + gr.span], acc[gr.first : gr.first + gr.span], g_buf[: gr.span])
                      for gr in groups]
+            # Products by live tile: the lists once a call, from the live grid (on the device).
+            products = _TileProducts(variant, kernel_flags, live, W, plan.row_group) if plan.tile_products else None
             for k in range(n_chunks):
                 lo = k * W
                 w = min(W, V - lo)
@@ -268,9 +336,13 @@ class Chunked(Strategy):
                     continue  # no live tile: every gradient of the chunk is negligible
                 chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
                 c_arg = c if chunk is None else chunk
-                cols = perm[lo : lo + w].long() if perm is not None else None
-                c_k = chunk if chunk is not None else (c[lo : lo + w] if cols is None else c[cols])
-                if dc_part is not None:
+                # (tile products read C's rows and write dC's through the order: nothing gathered, but a
+                # sum over row groups, or a deterministic dbias, scattered)
+                gathers = products is None or dc_part is not None or (deterministic and dbias is not None)
+                cols = perm[lo : lo + w].long() if perm is not None and gathers else None
+                c_k = None if products is not None else \
+                    chunk if chunk is not None else (c[lo : lo + w] if cols is None else c[cols])
+                if dc_part is not None and products is None:  # (the first group's tile products write it)
                     dc_part[:w].zero_()
                 for j in todo:
                     grp = groups[j]
@@ -291,21 +363,26 @@ class Chunked(Strategy):
                     e_rows, acc_g, g = views[j]
                     if w != W:
                         g = g[:, :w]
-                    add_matmul(acc_g, g, c_k)
-                    if dc_part is not None:
-                        add_matmul_fp32(dc_part[:w], g.T, e_rows)
-                    elif cols is None:
-                        if dc.dtype == g.dtype:
-                            torch.mm(g.T, e_rows, out=dc[lo : lo + w])
-                        else:
-                            mm_fp32_out(g.T, e_rows, dc[lo : lo + w])
+                    if products is not None:  # over the live tiles: dE += g C[chunk], dC[chunk] (+)= g^T E
+                        products.run(k, j, grp.n, lo, g, c_arg, perm, acc_g, e_rows,
+                                     dc if dc_part is None else dc_part, out_local=dc_part is not None,
+                                     accumulate=dc_part is not None and j != todo[0])
                     else:
-                        if dc.dtype == g.dtype:
-                            dc[cols] = g.T @ e_rows
+                        add_matmul(acc_g, g, c_k)
+                        if dc_part is not None:
+                            add_matmul_fp32(dc_part[:w], g.T, e_rows)
+                        elif cols is None:
+                            if dc.dtype == g.dtype:
+                                torch.mm(g.T, e_rows, out=dc[lo : lo + w])
+                            else:
+                                mm_fp32_out(g.T, e_rows, dc[lo : lo + w])
                         else:
-                            part = torch.empty((w, D), dtype=dc.dtype, device=dev)
-                            mm_fp32_out(g.T, e_rows, part)
-                            dc[cols] = part
+                            if dc.dtype == g.dtype:
+                                dc[cols] = g.T @ e_rows
+                            else:
+                                part = torch.empty((w, D), dtype=dc.dtype, device=dev)
+                                mm_fp32_out(g.T, e_rows, part)
+                                dc[cols] = part
                     if deterministic and dbias is not None:
                         part_b = g.sum(0, dtype=torch.float32)
                         if cols is None:
@@ -331,6 +408,46 @@ class Chunked(Strategy):
         if dbias is not None:
             dbias = dbias.to(bias.dtype)
         return de, dc, dbias
+
+
+class _TileProducts:
+    """The products of one call by live tile (see :func:`live_lists`): ``run`` launches, for chunk k
+    and row group j, dE's kernel (a program per row block and slice of D, over the block's live tiles
+    of the chunk) and dC's (a program per tile and slice of D, over the tile's live row blocks of the
+    group). Slices of ``variant.out_block_d`` columns of D, steps of :data:`PRODUCT_K` along the sum."""
+
+    def __init__(self, variant, kernel_flags, live, chunk_w: int, row_group: int):
+        bb, bv = variant.block_b, variant.block_v
+        self.de_kernel = load_kernel(variant, kernel_flags, name="cce_chunk_de_kernel")
+        self.dc_kernel = load_kernel(variant, kernel_flags, name="cce_chunk_dc_kernel")
+        self.rg = row_group // bb if 0 < row_group < live.shape[0] * bb else live.shape[0]
+        self.cb = -(-chunk_w // bv)  # tiles per chunk (whole tiles, or the one chunk of the vocabulary)
+        self.row_idx, self.row_cnt, self.col_idx, self.col_cnt = live_lists(live, self.cb, self.rg)
+        self.K = self.row_cnt.shape[1]  # chunks
+        self.bb, self.bv, self.bdo = bb, bv, variant.out_block_d
+        # (the probe's best on the H200 at 8192 x 4096: 4 warps and 4 stages for 128 columns of D)
+        self.launch = dict(num_warps=4 if self.bdo <= 128 else 8, num_stages=4 if self.bdo <= 128 else 3)
+
+    def run(self, k: int, j: int, n_rows: int, lo: int, g, c, perm, acc, e_rows, out, out_local: bool,
+            accumulate: bool) -> None:
+        """Chunk k (walked positions lo ..) and row group j (``n_rows`` rows): ``acc`` (the group's rows
+        of the dE accumulator) += g C[chunk], ``out`` (dC, or with ``out_local`` the chunk's own
+        rows) (+)= g^T E (``e_rows``: the group's rows); ``c``: the classifier as the gradient kernel
+        reads it (or the chunk converted), ``perm``: the walked order (or None)."""
+        w, D = g.shape[1], e_rows.shape[1]
+        first = j * self.rg  # the group's first row block
+        self.de_kernel[(triton.cdiv(n_rows, self.bb), triton.cdiv(D, self.bdo))](
+            g, c, perm if perm is not None else self.row_cnt, self.row_idx, self.row_cnt, acc, n_rows, lo, w, D,
+            g.stride(0), c.stride(0), c.stride(1), acc.stride(0),
+            (first * self.K + k) * self.cb, first * self.K + k, self.K * self.cb, self.K,
+            BLOCK_B=self.bb, BLOCK_V=self.bv, BLOCK_K=min(PRODUCT_K, self.bv), BLOCK_DO=self.bdo, **self.launch)
+        tiles = self.K * self.cb
+        self.dc_kernel[(triton.cdiv(w, self.bv), triton.cdiv(D, self.bdo))](
+            g, e_rows, perm if perm is not None else self.col_cnt, self.col_idx, self.col_cnt, out, n_rows, lo, w, D,
+            g.stride(0), e_rows.stride(0), e_rows.stride(1), out.stride(0),
+            (j * tiles + k * self.cb) * self.rg, j * tiles + k * self.cb, self.rg,
+            BLOCK_B=self.bb, BLOCK_V=self.bv, BLOCK_K=min(PRODUCT_K, self.bb), BLOCK_DO=self.bdo,
+            OUT_LOCAL=out_local, ACCUMULATE=accumulate, **self.launch)
 
 
 @dataclass

@@ -287,13 +287,18 @@ def _strategy_rules(knobs: dict) -> list:
     in the file's format."""
     defaults = dataclasses.asdict(KERNELS["backward"]())
     rules = []
+    readers: dict = {}  # knob -> the strategies that read it
     for s in strategies.all_strategies():
         for k in s.knobs:
-            if k in knobs:
-                rules.append({"name": f"{k}_only_with_{s.name}",
-                              "rule": f"strategy in ({s.name!r}, 'auto') or {k} == {defaults[k]!r}",
-                              "why": f"{k} is read by the {s.name} strategy only (which auto may choose); pinning it "
-                                     "stops trials being spent on identical kernels"})
+            readers.setdefault(k, []).append(s.name)
+    for k, names in readers.items():
+        if k in knobs:
+            rules.append({"name": f"{k}_only_with_{'_or_'.join(names)}",
+                          "rule": f"strategy in ({', '.join(map(repr, names))}, 'auto') or {k} == {defaults[k]!r}",
+                          "why": f"{k} is read by the {' and '.join(names)} strateg{'ies' if len(names) > 1 else 'y'} "
+                                 "only (which auto may choose); pinning it stops trials being spent on identical "
+                                 "kernels"})
+    for s in strategies.all_strategies():
         for name, rule, why in s.space_rules:
             rules.append({"name": name, "rule": f"strategy != {s.name!r} or ({rule})", "why": why})
     return rules
