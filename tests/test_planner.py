@@ -111,10 +111,9 @@ def test_a_call_that_cannot_read_back_is_planned_exact(device):
     for measurable in (True, False):
         plan = planner.plan_call(o, "triton", kv, True, p, COSTS, measurable=measurable)
         plans[measurable] = planner.plan_forward(plan, p, c, COSTS, needs_grad=True, fused_allowed=True,
-                                                 dense_rows=True, max_extra_memory=None)
+                                                 max_extra_memory=None)
     exact = planner.plan_forward(planner.plan_call(Options.check(filter_eps=None), "triton", kv, True, p, COSTS),
-                                 p, c, COSTS, needs_grad=True, fused_allowed=True, dense_rows=True,
-                                 max_extra_memory=None)
+                                 p, c, COSTS, needs_grad=True, fused_allowed=True, max_extra_memory=None)
     assert plans[True].filter_eps is not None and plans[True].forward.walk is not None
     assert plans[False].filter_eps is None and plans[False].forward.walk is None and not plans[False].forward.sort
     assert plans[False].forward == exact.forward and exact.forward.fused is not None
@@ -228,16 +227,16 @@ def test_chunk_grid_marks_live_blocks_per_row_group():
 @pytest.mark.parametrize("dense", [True, False])
 def test_fused_blocks_are_all_rows_or_the_largest_power_of_two_that_fits(n, dense):
     # The block is its fp32 logits alone (g is written over them): 4 bytes per logit, not 4 + 2.
-    p = Problem(n=n, n_all=n, V=32000, D=4096, elem=2, grad_bytes=0)
-    assert fused.extra_bytes(p, 16) == 16 * 32000 * 4 + 4 * 32000
-    assert fused.block_rows(p, None, dense) == n
-    assert fused.block_rows(p, fused.extra_bytes(p, n, dense), dense) == n
+    p = Problem(n=n, n_all=n, V=32000, D=4096, elem=2, grad_bytes=0, dense_rows=dense)
+    assert fused.extra_bytes(p, 16) == 16 * 32000 * 4 + 4 * 32000 + (0 if dense else 16 * 2 * 4096 * 2)
+    assert fused.block_rows(p, None) == n
+    assert fused.block_rows(p, fused.extra_bytes(p, n)) == n
     for budget in (176 * MiB, 50 * MiB, 10 * MiB):
-        R = fused.block_rows(p, budget, dense)
-        assert fused.extra_bytes(p, R, dense) <= budget
+        R = fused.block_rows(p, budget)
+        assert fused.extra_bytes(p, R) <= budget
         if R < n:
-            assert R >= 16 and R & (R - 1) == 0 and fused.extra_bytes(p, 2 * R, dense) > budget
-    assert fused.block_rows(p, fused.extra_bytes(p, 15, dense), dense) is None  # not even 16 rows
+            assert R >= 16 and R & (R - 1) == 0 and fused.extra_bytes(p, 2 * R) > budget
+    assert fused.block_rows(p, fused.extra_bytes(p, 15)) is None  # not even 16 rows
 
 
 def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
@@ -468,7 +467,7 @@ def test_fused_matches_the_oracle(reduction, features, dtype, device, set_costs,
 def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(device, monkeypatch, set_costs):
     # Blocks of 16 rows (dC summed over blocks); a loss multiplied by 3 gets 3x the gradients.
     set_costs(fused_min_rows=1)
-    monkeypatch.setattr(fused, "extra_bytes", lambda p, R, dense_rows=True, dc_fp32=False: R * 1000)
+    monkeypatch.setattr(fused, "extra_bytes", lambda p, R, dc_fp32=False: R * 1000)
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
     e, c, t, _ = make_inputs((70,), 130, 40, torch.float32, device=device)
     _, (ge, gc) = grads_of(lambda e_, c_: 3 * linear_cross_entropy(e_, c_, t, impl="triton", variants=kv,

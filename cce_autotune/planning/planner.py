@@ -134,7 +134,7 @@ def records_map(variant, filter_eps) -> bool:
 
 # -- 2. the forward -------------------------------------------------------------------------------
 def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, fused_allowed: bool,
-                 dense_rows: bool, max_extra_memory="auto") -> CallPlan:
+                 max_extra_memory="auto") -> CallPlan:
     """The forward's part of ``plan`` (made by :func:`plan_call`) for classifier ``c`` (its memory is
     read and, for a pause, counted down): ``fused_allowed``: the call's loss and classifier let the
     gradients be computed in the forward (see :func:`fused_allowed`)."""
@@ -153,7 +153,7 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
     fused = None
     asks_forward = bw.strategy != "auto" and strategies.get(bw.strategy).in_forward
     if needs_grad and p.n > 0 and (paused or eps is None or asks_forward):
-        fused = plan_fused(p, bw, paused=paused, exact=eps is None, dense_rows=dense_rows, allowed=fused_allowed,
+        fused = plan_fused(p, bw, paused=paused, exact=eps is None, allowed=fused_allowed,
                            budget=call_budget(p, max_extra_memory, plan.forward.convert_classifier), costs=costs)
     if fused is not None or paused:
         sort = False  # (paused: the planner found filtering cannot pay for this classifier now)
@@ -165,8 +165,8 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
     return out
 
 
-def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: bool = False, dense_rows: bool = True,
-               budget: int | None, costs) -> BackwardPlan | None:
+def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: bool = False, budget: int | None,
+               costs) -> BackwardPlan | None:
     """The plan of gradients computed in the forward when it is the one to run, else None (the
     forward computes the LSE and the backward is planned when it runs).
 
@@ -192,7 +192,7 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: b
             return None
     else:
         return None
-    opt = chosen.forward_option(p, costs, budget, dense_rows, forced=forced,
+    opt = chosen.forward_option(p, costs, budget, forced=forced,
                                 summed_blocks=1 if exact else filters.SUMMED_DC_BLOCKS)
     if opt is None:
         return None

@@ -78,7 +78,7 @@ def _forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool):
         return execute.forward_reference(call, e, c, bias)
     plan = planner.plan_forward(plan, call.problem(e, c, bias), c, plan.costs, needs_grad=needs_grad,
                                 fused_allowed=planner.fused_allowed(o, plan, c.dtype != e.dtype),
-                                dense_rows=call.layout.dense_stride is not None, max_extra_memory=o.max_extra_memory)
+                                max_extra_memory=o.max_extra_memory)
     return execute.forward(plan, call, e, c, bias)
 
 

@@ -110,8 +110,8 @@ class Strategy:
         map for it only then)."""
         return True
 
-    def forward_option(self, p: CallProblem, costs, budget: int | None, dense_rows: bool = True,
-                       forced: bool = False, summed_blocks: int = 1) -> Option | None:
+    def forward_option(self, p: CallProblem, costs, budget: int | None, forced: bool = False,
+                       summed_blocks: int = 1) -> Option | None:
         """(``in_forward`` strategies) The estimate of forward and backward together (None: it cannot
         run for the call, or, unless ``forced``, should not; ``summed_blocks``: the most blocks of
         rows a 16-bit dC may be summed over in its own dtype, which the call's accuracy allows)."""

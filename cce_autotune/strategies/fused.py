@@ -22,19 +22,19 @@ from .common import RowLayout, add_matmul, flags, mm_fp32_out, softcap_arg
 __all__ = ["Fused", "STRATEGY", "extra_bytes", "cost", "block_rows"]
 
 
-def extra_bytes(p: CallProblem, row_block: int, dense_rows: bool = True, dc_fp32: bool = False) -> int:
+def extra_bytes(p: CallProblem, row_block: int, dc_fp32: bool = False) -> int:
     """A block's fp32 logits (its gradient written over them) and, rows not dense, its rows of E and
     of dE; with ``dc_fp32``, dC's fp32 accumulator."""
     R = min(row_block, p.n)
-    b = R * _row_bytes(p, dense_rows)
+    b = R * _row_bytes(p)
     if dc_fp32:
         b += 4 * p.V * p.D
     return b + 4 * p.V
 
 
-def _row_bytes(p: CallProblem, dense_rows: bool) -> int:
+def _row_bytes(p: CallProblem) -> int:
     """A block's bytes per row: its fp32 logits (and, rows not dense, its row of E and of dE)."""
-    return 4 * p.V + (0 if dense_rows else 2 * p.D * p.elem)
+    return 4 * p.V + (0 if p.dense_rows else 2 * p.D * p.elem)
 
 
 def cost(p: CallProblem, costs, row_block: int, dc_fp32: bool = False) -> float:
@@ -50,13 +50,13 @@ def cost(p: CallProblem, costs, row_block: int, dc_fp32: bool = False) -> float:
     return max(1.5 * costs.products * reuse + traffic + dc_traffic, host)
 
 
-def block_rows(p: CallProblem, budget: int | None, dense_rows: bool = True, dc_fp32: bool = False) -> int | None:
+def block_rows(p: CallProblem, budget: int | None, dc_fp32: bool = False) -> int | None:
     """Rows per logit block of the fused strategy: all of them when they fit ``budget``, else the
     largest power of two (at least 16) whose block fits; None when not even 16 rows do. (A power of
     two: cuBLAS's tiles divide it. Blocks of 1376 rows measured 1-13 % slower than blocks of 1024.)"""
-    if budget is None or extra_bytes(p, p.n, dense_rows, dc_fp32) <= budget:
+    if budget is None or extra_bytes(p, p.n, dc_fp32) <= budget:
         return p.n
-    most = (budget - extra_bytes(p, 0, dense_rows, dc_fp32)) // _row_bytes(p, dense_rows)
+    most = (budget - extra_bytes(p, 0, dc_fp32)) // _row_bytes(p)
     if most < 16:
         return None
     return 1 << (int(most).bit_length() - 1)
@@ -85,23 +85,23 @@ class Fused(Strategy):
     def option(self, ctx: PlanContext) -> None:
         return None  # (it runs in the forward: see forward_option)
 
-    def forward_option(self, p: CallProblem, costs, budget: int | None, dense_rows: bool = True,
-                       forced: bool = False, summed_blocks: int = 1) -> Option | None:
+    def forward_option(self, p: CallProblem, costs, budget: int | None, forced: bool = False,
+                       summed_blocks: int = 1) -> Option | None:
         """The estimate of forward and backward together, with the most rows per block that fit
         ``budget``. A 16-bit dC that takes more than one block sums in an fp32 accumulator where it
         fits beside a block, else in dC itself over at most ``summed_blocks`` blocks. None: nothing
         fits, or, unless ``forced``, blocks of fewer rows than the cost model's ``fused_min_rows``."""
-        R = block_rows(p, budget, dense_rows)
+        R = block_rows(p, budget)
         acc = False
         if R is not None and R < p.n and p.dc_elem < 4:
-            with_acc = block_rows(p, budget, dense_rows, dc_fp32=True)
+            with_acc = block_rows(p, budget, dc_fp32=True)
             if with_acc is not None and (with_acc >= min(p.n, costs.fused_min_rows) or forced):
                 R, acc = with_acc, with_acc < p.n
             elif -(-p.n // R) > summed_blocks:
                 R = None
         if R is None or (R < min(p.n, costs.fused_min_rows) and not forced):
             return None
-        return Option(cost(p, costs, R, acc), extra_bytes(p, R, dense_rows, acc), sizes=dict(row_block=R, dc_fp32=acc))
+        return Option(cost(p, costs, R, acc), extra_bytes(p, R, acc), sizes=dict(row_block=R, dc_fp32=acc))
 
     def forward_cost(self, p: CallProblem, costs, plan) -> float:
         return cost(p, costs, plan.row_block, plan.dc_fp32)
