@@ -223,6 +223,32 @@ def test_chunk_grid_marks_live_blocks_per_row_group():
     assert grid.tolist() == [[True, False], [False, True]]
 
 
+def test_live_lists_hold_each_blocks_live_entries_first():
+    # The tile products' lists: per row block and chunk, the chunk's live tiles first (in order) and
+    # their count; per row group and tile, the group's live row blocks first and their count. Entries
+    # beyond the grid (the last chunk's and group's padding) are dead.
+    g = torch.Generator().manual_seed(0)
+    live = torch.rand((7, 11), generator=g) < 0.3  # 7 row blocks, 11 tiles
+    row_idx, row_cnt, col_idx, col_cnt = chunked.live_lists(live, 4, 3)  # chunks of 4 tiles, groups of 3
+    assert row_idx.shape == (9, 12) and row_cnt.shape == (9, 3) and col_idx.shape == (3, 12, 3)
+    assert col_cnt.shape == (3, 12) and row_idx.dtype == col_idx.dtype == row_cnt.dtype == torch.int32
+    padded = torch.zeros((9, 12), dtype=torch.bool)
+    padded[:7, :11] = live
+    for b in range(9):
+        for k in range(3):
+            want = [t for t in range(4) if padded[b, 4 * k + t]]
+            assert row_cnt[b, k] == len(want) and row_idx[b, 4 * k: 4 * k + len(want)].tolist() == want
+            assert sorted(row_idx[b, 4 * k: 4 * k + 4].tolist()) == [0, 1, 2, 3]
+    for j in range(3):
+        for t in range(12):
+            want = [r for r in range(3) if padded[3 * j + r, t]]
+            assert col_cnt[j, t] == len(want) and col_idx[j, t, : len(want)].tolist() == want
+    # One group of every row block, one chunk of every tile.
+    _, row_cnt, col_idx, col_cnt = chunked.live_lists(live, 11)
+    assert row_cnt.view(-1).tolist() == live.sum(1).tolist() and col_cnt.view(-1).tolist() == live.sum(0).tolist()
+    assert col_idx.shape == (1, 11, 7)
+
+
 @pytest.mark.parametrize("n", [100, 3000, 8192])
 @pytest.mark.parametrize("dense", [True, False])
 def test_fused_blocks_are_all_rows_or_the_largest_power_of_two_that_fits(n, dense):
