@@ -37,8 +37,7 @@ from .common import (
     tma_descriptors,
 )
 
-__all__ = ["Chunked", "STRATEGY", "shape", "extra_bytes", "cost", "chunk_grid", "tile_products_apply", "listed_tiles",
-           "live_lists"]
+__all__ = ["Chunked", "STRATEGY", "shape", "extra_bytes", "cost", "chunk_grid", "listed_tiles", "live_lists"]
 
 LIST_BYTES = 32  # per tile of the live grid: two int32 lists, and their sort's int64 indices and keys
 PRODUCT_K = 64  # the tile products' step along the summed dimension (at most a tile's side)
@@ -129,15 +128,24 @@ def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact
         w = w // 2 // block_v * block_v
 
 
-def tile_products_apply(p: CallProblem, use_map: bool) -> bool:
-    """Whether the products can go by live tile: the backward launches from the map (its live grid),
-    and problem row i is row i of E (so a row block of the grid is a block of g's rows)."""
-    return use_map and p.dense_rows
-
-
 def listed_tiles(p: CallProblem, variant, use_map: bool) -> int:
-    """The tiles of the live grid whose lists the tile products would build (0 where they cannot run)."""
-    return -(-p.n // variant.block_b) * -(-p.V // variant.block_v) if tile_products_apply(p, use_map) else 0
+    """The tiles of the live grid whose lists the tile products would build; 0 where they cannot run.
+    They run where the backward launches from the map (its live grid) and problem row i is row i of E
+    (so a row block of the grid is a block of g's rows)."""
+    return -(-p.n // variant.block_b) * -(-p.V // variant.block_v) if use_map and p.dense_rows else 0
+
+
+def _padded_grid(live_grid, chunk_tiles: int, group_blocks: int) -> tuple:
+    """``(padded, groups, blocks per group, chunks)``: the (row blocks, tiles) live grid padded with dead
+    entries to whole chunks of ``chunk_tiles`` tiles and whole groups of ``group_blocks`` row blocks
+    (0: one group of all rows)."""
+    Rb, T = live_grid.shape
+    K = -(-T // chunk_tiles)
+    rg = group_blocks if 0 < group_blocks < Rb else max(1, Rb)
+    G = -(-Rb // rg)
+    padded = torch.zeros((G * rg, K * chunk_tiles), dtype=torch.bool, device=live_grid.device)
+    padded[:Rb, :T] = live_grid
+    return padded, G, rg, K
 
 
 def live_lists(live_grid, chunk_tiles: int, group_blocks: int = 0) -> tuple:
@@ -150,13 +158,8 @@ def live_lists(live_grid, chunk_tiles: int, group_blocks: int = 0) -> tuple:
       blocks (0 .. group_blocks - 1), the live ones first; ``col_cnt`` (groups, tiles): how many.
 
     Row blocks and tiles beyond the grid (the last chunk's and group's padding) are dead."""
-    Rb, T = live_grid.shape
     cb = chunk_tiles
-    K = -(-T // cb)
-    rg = group_blocks if 0 < group_blocks < Rb else max(1, Rb)
-    G = -(-Rb // rg)
-    padded = torch.zeros((G * rg, K * cb), dtype=torch.bool, device=live_grid.device)
-    padded[:Rb, :T] = live_grid
+    padded, G, rg, K = _padded_grid(live_grid, cb, group_blocks)
     dead = (~padded).to(torch.uint8)  # (a stable sort of the dead flags puts the live entries first)
     row_idx = torch.argsort(dead.view(G * rg, K, cb), dim=-1, stable=True).to(torch.int32).view(G * rg, K * cb)
     row_cnt = padded.view(G * rg, K, cb).sum(-1, dtype=torch.int32)
@@ -169,13 +172,8 @@ def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):
     """(chunks, row groups) bool: which (vocabulary chunk, row group) blocks of the chunked strategy
     hold a live tile, from the (row blocks, tiles) live grid; ``group_blocks`` row blocks per group
     (0: one group of all rows)."""
-    Rb, T = live_grid.shape
     cb = chunk_v // block_v
-    K = -(-T // cb)
-    rg = group_blocks if 0 < group_blocks < Rb else max(1, Rb)
-    G = -(-Rb // rg)
-    padded = torch.zeros((G * rg, K * cb), dtype=torch.bool, device=live_grid.device)
-    padded[:Rb, :T] = live_grid
+    padded, G, rg, K = _padded_grid(live_grid, cb, group_blocks)
     return padded.view(G, rg, K, cb).any(dim=3).any(dim=1).T
 
 
@@ -229,7 +227,7 @@ class Chunked(Strategy):
 
     def option(self, ctx: PlanContext) -> Option:
         p, v, costs = ctx.problem, ctx.variant, ctx.costs
-        n_lists = listed_tiles(p, v, ctx.use_map and not ctx.exact)
+        n_lists = listed_tiles(p, v, ctx.use_map)  # (an exact plan has no map)
         w, de_fp32, rg = shape(p, v.block_v, v.chunk_v, ctx.budget, ctx.exact, costs)
         est = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg)
         mem = extra_bytes(p, w, de_fp32, ctx.use_map, rg)
