@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import os
 import sys
 from pathlib import Path
@@ -165,11 +166,33 @@ def _run_calls(name, spec, e, cc, t, bias, w, drift, device, lines):
         cc = cc.detach()
 
 
+_NUMBER = re.compile(r"-?\d+\.?\d*(?:e[-+]?\d+)?")
+
+
+def _alike(text: str, want: str, rel: float = 1e-4) -> bool:
+    """Whether ``text`` is ``want`` but for the last digits of the numbers on the computed-value lines
+    ("== ..."): a gradient's signed sum rounds a last digit differently on another processor's vector
+    code (seen between two x86 boxes). Plan and check lines must match exactly."""
+    got, ref = text.splitlines(), want.splitlines()
+    if len(got) != len(ref):
+        return False
+    for a, b in zip(got, ref):
+        if a == b:
+            continue
+        if not a.startswith("== ") or _NUMBER.sub("#", a) != _NUMBER.sub("#", b):
+            return False
+        for x, y in zip(_NUMBER.findall(a), _NUMBER.findall(b)):
+            x, y = float(x), float(y)
+            if abs(x - y) > rel * max(abs(x), abs(y), 1e-3):
+                return False
+    return True
+
+
 def _compare(name: str, text: str) -> None:
     path = GOLDEN / name
     assert path.is_file(), f"{path} missing: run python tests/test_plans_unchanged.py --write"
     want = path.read_text()
-    if text != want:
+    if text != want and not _alike(text, want):
         import difflib
 
         diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True), "golden", "now", n=1))
