@@ -225,12 +225,20 @@ def test_products_by_live_tile_match_cublas_products(converted, device, no_accur
         c, b = c.float() + 1e-3 * torch.randn(c.shape, device=device), b.float()
     t[0, 3] = -100
     grads = {}
+    empty = torch.empty
+
+    def poisoned(*a, **k):  # every buffer left unwritten shows up as NaN (dC is not filled with zeros)
+        x = empty(*a, **k)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
     for tile_products in (False, True):
         set_costs(tile_products=0.0 if tile_products else 1e9)
         kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=128))
         ee, cc, bb = (x.clone().requires_grad_() for x in (e, c, b))
         prime_order(cc, ee, "sorted")
-        linear_cross_entropy(ee, cc, t, bb, impl="triton", variants=kv, shift=1).backward()
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", poisoned)
+            linear_cross_entropy(ee, cc, t, bb, impl="triton", variants=kv, shift=1).backward()
         plan = planned[-1].call.backward
         assert plan.use_map and plan.strategy == "chunked" and plan.tile_products == tile_products, plan.describe()
         assert plan.live < 1.0

@@ -157,7 +157,16 @@ def scale_fused(state: CallState, grad_loss, e) -> tuple:
     scale = grad_loss.float() if grad_loss is not None else torch.zeros((), device=e.device)
     if state.fused_scale is not None:
         scale = scale / state.fused_scale
-    return de.mul_(scale), dc.mul_(scale), dbias.mul_(scale) if dbias is not None else None
+    scale_(de, dc, dbias, factor=scale)
+    return de, dc, dbias
+
+
+def scale_(*tensors, factor) -> None:
+    """Multiply each tensor (None: skipped) in place by ``factor``, a 0-d fp32 tensor on their device,
+    in fp32 before the rounding to each one's dtype, without a host sync. One foreach launch: a 16-bit
+    tensor times a 0-d fp32 device tensor otherwise takes PyTorch's unvectorised mixed-dtype kernel
+    (0.68 ms for Mistral's dE and dC on the H200, about 4x their memory traffic)."""
+    torch._foreach_mul_([t for t in tensors if t is not None], factor)
 
 
 def vocabulary_order(plan: CallPlan, call: Call, e, c, bias):
@@ -220,9 +229,7 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
     if coef_u is not None:
         de, dc, dbias = add_uniform_term(e, call, coef_u, csum if csum is not None else _column_sum(c), de, dc, dbias)
     if scale is not None:
-        inv = 1.0 / scale
-        de, dc = de.mul_(inv), dc.mul_(inv)
-        dbias = dbias.mul_(inv) if dbias is not None else None
+        scale_(de, dc, dbias, factor=1.0 / scale)
     return de, dc, dbias
 
 
