@@ -335,7 +335,8 @@ class Chunked(Strategy):
                 todo = [j for j in range(len(groups)) if chunks is None or chunks[k * len(groups) + j]]
                 if not todo:  # no live tile: every gradient of the chunk is negligible
                     if zeros_by_kernel:
-                        products.dc(k, 0, groups[0].n, lo, views[0][2][:, :w], perm, views[0][0], dc, False, False)
+                        products.run(k, 0, groups[0].n, lo, views[0][2][:, :w], c_read, perm, acc, views[0][0], dc, False,
+                                     False, de=False)
                     continue
                 chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
                 c_arg = c if chunk is None else chunk
@@ -415,14 +416,14 @@ class Chunked(Strategy):
 
 class _TileProducts:
     """The products of one call by live tile (see :func:`live_lists`): ``run`` launches, for chunk k
-    and row group j, dE's kernel (a program per row block and slice of D, over the block's live tiles
-    of the chunk) and dC's (a program per tile and slice of D, over the tile's live row blocks of the
-    group). Slices of ``variant.out_block_d`` columns of D, steps of :data:`PRODUCT_K` along the sum."""
+    and row group j, one kernel whose programs form dE's part (a program per row block and slice of D,
+    over the block's live tiles of the chunk) and dC's (a program per tile and slice of D, over the
+    tile's live row blocks of the group). Slices of ``variant.out_block_d`` columns of D, steps of
+    :data:`PRODUCT_K` along the sum."""
 
     def __init__(self, variant, kernel_flags, live, chunk_w: int, row_group: int):
         bb, bv = variant.block_b, variant.block_v
-        self.de_kernel = load_kernel(variant, kernel_flags, name="cce_chunk_de_kernel")
-        self.dc_kernel = load_kernel(variant, kernel_flags, name="cce_chunk_dc_kernel")
+        self.kernel = load_kernel(variant, kernel_flags, name="cce_chunk_products_kernel")
         self.rg = row_group // bb if 0 < row_group < live.shape[0] * bb else live.shape[0]
         self.cb = -(-chunk_w // bv)  # tiles per chunk (whole tiles, or the one chunk of the vocabulary)
         self.row_idx, self.row_cnt, self.col_idx, self.col_cnt = live_lists(live, self.cb, self.rg)
@@ -432,31 +433,26 @@ class _TileProducts:
         self.launch = dict(num_warps=4 if self.bdo <= 128 else 8, num_stages=4 if self.bdo <= 128 else 3)
 
     def run(self, k: int, j: int, n_rows: int, lo: int, g, c, perm, acc, e_rows, out, out_local: bool,
-            accumulate: bool) -> None:
+            accumulate: bool, de: bool = True) -> None:
         """Chunk k (walked positions lo ..) and row group j (``n_rows`` rows): ``acc`` (the group's rows
         of the dE accumulator) += g C[chunk], ``out`` (dC, or with ``out_local`` the chunk's own
         rows) (+)= g^T E (``e_rows``: the group's rows); ``c``: the classifier as the gradient kernel
-        reads it (or the chunk converted), ``perm``: the walked order (or None)."""
+        reads it (or the chunk converted), ``perm``: the walked order (or None). Without ``de``, dC's
+        part alone: for a chunk without a live tile in group j, it writes the chunk's rows of ``out``
+        as zeros (reading nothing of ``g``)."""
         w, D = g.shape[1], e_rows.shape[1]
+        n_d = triton.cdiv(D, self.bdo)
+        n_de = triton.cdiv(n_rows, self.bb) * n_d if de else 0
         first = j * self.rg  # the group's first row block
-        self.de_kernel[(triton.cdiv(n_rows, self.bb), triton.cdiv(D, self.bdo))](
-            g, c, perm if perm is not None else self.row_cnt, self.row_idx, self.row_cnt, acc, n_rows, lo, w, D,
-            g.stride(0), c.stride(0), c.stride(1), acc.stride(0),
-            (first * self.K + k) * self.cb, first * self.K + k, self.K * self.cb, self.K,
-            BLOCK_B=self.bb, BLOCK_V=self.bv, BLOCK_K=min(PRODUCT_K, self.bv), BLOCK_DO=self.bdo, **self.launch)
-        self.dc(k, j, n_rows, lo, g, perm, e_rows, out, out_local, accumulate)
-
-    def dc(self, k: int, j: int, n_rows: int, lo: int, g, perm, e_rows, out, out_local: bool, accumulate: bool) -> None:
-        """dC's half of :meth:`run`; alone, for a chunk without a live tile in group j, it writes the
-        chunk's rows of ``out`` as zeros (reading nothing of ``g``)."""
-        w, D = g.shape[1], e_rows.shape[1]
         tiles = self.K * self.cb
-        self.dc_kernel[(triton.cdiv(w, self.bv), triton.cdiv(D, self.bdo))](
-            g, e_rows, perm if perm is not None else self.col_cnt, self.col_idx, self.col_cnt, out, n_rows, lo, w, D,
-            g.stride(0), e_rows.stride(0), e_rows.stride(1), out.stride(0),
-            (j * tiles + k * self.cb) * self.rg, j * tiles + k * self.cb, self.rg,
-            BLOCK_B=self.bb, BLOCK_V=self.bv, BLOCK_K=min(PRODUCT_K, self.bb), BLOCK_DO=self.bdo,
-            OUT_LOCAL=out_local, ACCUMULATE=accumulate, **self.launch)
+        self.kernel[(n_de + triton.cdiv(w, self.bv) * n_d,)](
+            g, c, e_rows, perm if perm is not None else self.row_cnt, self.row_idx, self.row_cnt, self.col_idx,
+            self.col_cnt, acc, out, n_rows, lo, w, D,
+            g.stride(0), c.stride(0), c.stride(1), acc.stride(0), e_rows.stride(0), e_rows.stride(1), out.stride(0),
+            (first * self.K + k) * self.cb, first * self.K + k, self.K * self.cb, self.K,
+            (j * tiles + k * self.cb) * self.rg, j * tiles + k * self.cb, self.rg, n_de,
+            BLOCK_B=self.bb, BLOCK_V=self.bv, BLOCK_K_DE=min(PRODUCT_K, self.bv), BLOCK_K_DC=min(PRODUCT_K, self.bb),
+            BLOCK_DO=self.bdo, OUT_LOCAL=out_local, ACCUMULATE=accumulate, **self.launch)
 
 
 @dataclass
