@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import io
-import re
 import os
+import re
 import sys
 from pathlib import Path
 

@@ -285,7 +285,8 @@ class Chunked(Strategy):
         # once here rather than one scatter (and a host-to-device copy) per skipped chunk. With tile
         # products in one row group, dC's kernel writes a skipped chunk's zeros instead (one launch that
         # reads nothing: a fill of all of dC moves 1.1 GiB at Gemma 2's head).
-        zeros_by_kernel = plan.tile_products and n > 0 and not 0 < plan.row_group < n
+        groups = _row_groups(e, rows, plan.row_group, variant.block_b, N)
+        zeros_by_kernel = plan.tile_products and n > 0 and len(groups) == 1
         skips = (chunks is not None or n == 0) and not zeros_by_kernel
         dc = (torch.zeros if skips else torch.empty)(c.shape, dtype=dc_dtype or c.dtype, device=dev)
         dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
@@ -296,7 +297,6 @@ class Chunked(Strategy):
         n_chunks = triton.cdiv(V, W)
         if n > 0:
             use_live = live is not None
-            groups = _row_groups(e, rows, plan.row_group, variant.block_b, N)
             # A classifier wider than e: each chunk's rows converted to e's dtype once (see lse_forward),
             # read by the kernel and by cuBLAS.
             c_buf = torch.empty((W, D), dtype=e.dtype, device=dev) if c.dtype != e.dtype else None
@@ -335,8 +335,8 @@ class Chunked(Strategy):
                 todo = [j for j in range(len(groups)) if chunks is None or chunks[k * len(groups) + j]]
                 if not todo:  # no live tile: every gradient of the chunk is negligible
                     if zeros_by_kernel:
-                        products.run(k, 0, groups[0].n, lo, views[0][2][:, :w], c_read, perm, acc, views[0][0], dc, False,
-                                     False, de=False)
+                        products.run(k, 0, groups[0].n, lo, views[0][2][:, :w], c_read, perm, acc, views[0][0], dc,
+                                     out_local=False, accumulate=False, de=False)
                     continue
                 chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
                 c_arg = c if chunk is None else chunk
