@@ -204,6 +204,74 @@ def test_classifier_conversion_rounds_like_torch(dtype, device):
         assert torch.equal(out.float().nan_to_num(), ref.to(dtype).float().nan_to_num())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gradient_scaling_rounds_once(dtype, device):
+    # The scaling of the fused gradients (templates/scale.py.j2): x times an fp32 device factor, in
+    # fp32, rounded once to x's dtype (torch's own mixed-dtype product), NaN and infinities kept;
+    # a tensor it cannot address as one run of elements is refused by name.
+    from cce_autotune.strategies.common import scale_in_place
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4)) * 100
+    x[7], x[8] = float("nan"), float("inf")
+    x = x.to(dtype).to(device)
+    f = torch.tensor(0.3, device=device)
+    ref = (x.float() * f).to(dtype)
+    scale_in_place(x, f)
+    assert torch.equal(x.isnan(), ref.isnan())
+    assert torch.equal(x.float().nan_to_num(), ref.float().nan_to_num())
+    with pytest.raises(ValueError, match="^t: "):
+        scale_in_place(torch.zeros(4, 4, device=device).T[:2], f)
+
+
+@pytest.mark.parametrize("acc_dtype,c_dtype,softcap", [(torch.float32, torch.float32, None),
+                                                      (torch.bfloat16, torch.float32, 5.0),
+                                                      (torch.float32, torch.bfloat16, None)], ids=str)
+def test_target_terms_match_float64(acc_dtype, c_dtype, softcap, device):
+    # The onehot terms outside the launched tiles (templates/target_terms.py.j2): rows gathered from a
+    # larger E (ignored rows between them), repeated targets (one with 40 rows: more than one step of
+    # the per-target loop), rows of weight 0 (their tile was launched: nothing added, and a target
+    # whose rows all weigh 0 leaves dC untouched), D not a power of two; against float64, into
+    # accumulators that already hold values; the same bits on a second run.
+    from cce_autotune.strategies.common import RowLayout, add_target_terms, target_weight
+
+    gen = torch.Generator().manual_seed(3)
+    n, V, D = 70, 50, 45
+    e_all = torch.randn(2 * n, D, generator=gen).to(torch.bfloat16)
+    c = (torch.randn(V, D, generator=gen) * 2).to(c_dtype)
+    keep = torch.randperm(2 * n, generator=gen)[:n].sort().values
+    targets = torch.randint(0, V, (n,), generator=gen)
+    targets[:40] = 7
+    targets[40:44] = 11
+    coef = torch.rand(n, generator=gen) + 0.5
+    coef[torch.rand(n, generator=gen) < 0.3] = 0.0
+    coef[40:44] = 0.0  # target 11: no term
+    zt = torch.randn(n, generator=gen) * 3
+    acc0 = torch.randn(2 * n, D, generator=gen).to(acc_dtype)
+    dc0 = torch.randn(V, D, generator=gen).to(acc_dtype)
+    db0 = torch.randn(V, generator=gen)
+
+    w = target_weight(coef, zt, softcap).double()
+    acc_ref, dc_ref, db_ref = acc0.double(), dc0.double(), db0.double()
+    c_r = c.to(torch.bfloat16).double()
+    acc_ref[keep] -= w[:, None] * c_r[targets]
+    dc_ref.index_add_(0, targets, -w[:, None] * e_all[keep].double())
+    db_ref.index_add_(0, targets, -w)
+
+    outs = []
+    for _ in range(2):
+        acc, dc, db = acc0.clone().to(device), dc0.clone().to(device), db0.clone().to(device)
+        rows = RowLayout(offsets=(keep * D).to(device), de_offsets=(keep * D).to(device))
+        add_target_terms(c.to(device), e_all.to(device), rows, targets.to(device), coef.to(device), zt.to(device),
+                         softcap, acc, dc, db)
+        outs.append((acc.cpu(), dc.cpu(), db.cpu()))
+    tol = 1e-5 if acc_dtype == torch.float32 else 8e-3
+    for got, ref in zip(outs[0], (acc_ref, dc_ref, db_ref)):
+        assert (got.double() - ref).abs().max() <= tol * ref.abs().max()
+    assert torch.equal(outs[0][1][11], dc0[11])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_mixed_precision_forward_converts_chunks_like_a_16_bit_classifier(device):
     # The LSE and the tile map of an fp32 classifier, converted a chunk at a time in the walked order,
     # are those of the classifier rounded to e's dtype (the map's tiles land at their global index).

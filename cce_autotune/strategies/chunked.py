@@ -65,7 +65,7 @@ def extra_bytes(p: CallProblem, chunk_v: int, de_fp32: bool, use_map: bool, row_
         b += p.elem * p.n_all * p.D  # E copied into a matrix
     if not use_map:
         return b
-    b += 4 * min(1024, p.n) * p.D  # target terms outside the launched tiles, in pieces (only with a map)
+    b += 24 * p.n  # target terms outside the launched tiles: the targets sorted, their order and runs (with a map)
     b += LIST_BYTES * list_tiles  # the tile products' live lists (and their sort's scratch)
     # The map stays alive; the transient comparison that turns it into the live grid is freed
     # before these buffers are allocated, so the peak is the larger of the two.
@@ -399,8 +399,7 @@ class Chunked(Strategy):
                     else:
                         dc[cols] = dc_part[:w].to(dc.dtype)
         if coef_out is not None and n > 0:  # target terms of rows whose target tile is dead
-            add_target_terms(c, e2, rows, targets, coef_out, tile_map.zt, softcap, acc, dc, dbias,
-                             deterministic=deterministic)
+            add_target_terms(c, e2, rows, targets, coef_out, tile_map.zt, softcap, acc, dc, dbias)
         if dead_dir is not None and n > 0:
             # The skipped tiles' softmax mass along the fitted direction (a row without a gradient has an
             # infinite LSE: no mass).

@@ -106,7 +106,7 @@ class Tiles(Strategy):
             if use_map:
                 tiles = tile_ids(live, variant.group_b, count=sum(columns))
                 add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap,
-                                 de.view(-1, D), dc, dbias, deterministic=False)  # (atomics anyway)
+                                 de.view(-1, D), dc, dbias)
             else:
                 tiles = None
             # Launched from the map, the kernel computes every launched tile: what the accuracy check
@@ -207,8 +207,7 @@ def _windowed(e, c, bias, rows: RowLayout, target_pos, targets, lse, coef_s, coe
                 kernel=kernel)
         first += count
         dc.index_copy_(0, cols[lo:lo + w], scratch[:w].to(dc.dtype))
-    add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap, de32.view(-1, D), dc, dbias,
-                     deterministic=False)  # (atomics anyway)
+    add_target_terms(c, e.reshape(-1, D), rows, targets, coef_out, tile_map.zt, softcap, de32.view(-1, D), dc, dbias)
     if dbias is not None:
         dbias = dbias.to(bias.dtype)
     return de32.to(e.dtype), dc, dbias
