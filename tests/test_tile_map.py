@@ -208,13 +208,15 @@ def test_mapped_strategies_drop_exactly_what_the_map_skips(V, budget, device, no
         torch.testing.assert_close(grads["tiles"][1], grads[name][1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("converted", [False, True], ids=["16-bit classifier", "fp32 classifier, converted chunks"])
-def test_products_by_live_tile_match_cublas_products(converted, device, no_accuracy_guard, set_costs, planned,
-                                                      monkeypatch):
+@pytest.mark.parametrize("converted, every_row", [(False, False), (True, False), (False, True)],
+                         ids=["16-bit classifier", "fp32 classifier, converted chunks", "every row, g unfilled"])
+def test_products_by_live_tile_match_cublas_products(converted, every_row, device, no_accuracy_guard, set_costs,
+                                                      planned, monkeypatch):
     # The chunked strategy's two ways of forming dE and dC from the same g blocks agree: cuBLAS over
     # whole chunks, and the Triton kernels over the live tiles, which read C's rows and write dC's
     # through the walked order (or the chunk converted from an fp32 classifier, in that order), with
-    # several chunks (the last one short), ignored rows, shift and a bias.
+    # several chunks (the last one short), ignored rows, shift and a bias. With every row taking part,
+    # g's buffer is not filled either: the tile products leave its dead tiles unwritten and never read them.
     from cce_autotune.planning import planner
 
     if converted:
@@ -223,7 +225,8 @@ def test_products_by_live_tile_match_cublas_products(converted, device, no_accur
     e, c, t, b = make_inputs((3, 29), 1000, 45, torch.bfloat16, bias=True, peaked=2.0, device=device)
     if converted:
         c, b = c.float() + 1e-3 * torch.randn(c.shape, device=device), b.float()
-    t[0, 3] = -100
+    if not every_row:
+        t[0, 3] = -100
     grads = {}
     empty = torch.empty
 
@@ -238,7 +241,7 @@ def test_products_by_live_tile_match_cublas_products(converted, device, no_accur
         prime_order(cc, ee, "sorted")
         with monkeypatch.context() as m:
             m.setattr(torch, "empty", poisoned)
-            linear_cross_entropy(ee, cc, t, bb, impl="triton", variants=kv, shift=1).backward()
+            linear_cross_entropy(ee, cc, t, bb, impl="triton", variants=kv, shift=0 if every_row else 1).backward()
         plan = planned[-1].call.backward
         assert plan.use_map and plan.strategy == "chunked" and plan.tile_products == tile_products, plan.describe()
         assert plan.live < 1.0

@@ -311,7 +311,11 @@ class Chunked(Strategy):
                      for j, grp in enumerate(groups)]
             e_descs = [d[0] for d in descs] if all(d[0] is not None for d in descs) else [None] * len(groups)
             c_desc = descs[0][1]
+            # With tile products, g's dead tiles are never read (unless a deterministic dbias sums g's
+            # columns): the kernel leaves them unwritten.
+            unread = plan.tile_products and not (deterministic and dbias is not None)
             kernel_flags = flags(e, c_read, bias, softcap, variant.block_d, rows, tile_live=use_live,
+                                 dead_unwritten=use_live and unread,
                                  c_local=c_buf is not None, live_mass=mass is not None,
                                  e_desc=e_descs[0] is not None, c_desc=c_desc is not None)
             kernel = load_kernel(variant, kernel_flags)
