@@ -122,10 +122,12 @@ class Fused(Strategy):
         row_idx = rows.row_index(D)
         lse = torch.empty(n, dtype=torch.float32, device=dev)
         zt = torch.empty(n, dtype=torch.float32, device=dev)
-        de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
+        # (dense rows: every row of dE is written by a block's product; dC is written by the first
+        # block's and summed into by the others': no fills)
+        de = (torch.empty if dense else torch.zeros)(e.shape, dtype=e.dtype, device=dev)
         de2 = de.view(-1, D)
-        dc = torch.zeros(c.shape, dtype=dc_dtype or c.dtype, device=dev)
-        acc = torch.zeros(c.shape, dtype=torch.float32, device=dev) if plan.dc_fp32 and dc.dtype != torch.float32 \
+        dc = (torch.empty if n > 0 else torch.zeros)(c.shape, dtype=dc_dtype or c.dtype, device=dev)
+        acc = torch.empty(c.shape, dtype=torch.float32, device=dev) if plan.dc_fp32 and dc.dtype != torch.float32 \
             else dc  # (dC's fp32 accumulator, when the plan has one)
         dbias = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None else None
         if n == 0:
@@ -151,7 +153,12 @@ class Fused(Strategy):
                 torch.mm(g_blk, c, out=de2[r0:r1])
             else:
                 de2[row_idx[r0:r1]] = g_blk @ c
-            add_matmul(acc, g_blk.T, e_blk)  # fp32 inside cuBLAS; in a 16-bit dC one rounding per block of rows
+            if r0 > 0:
+                add_matmul(acc, g_blk.T, e_blk)  # fp32 inside cuBLAS; in a 16-bit dC one rounding per block of rows
+            elif acc.dtype == g_blk.dtype:
+                torch.mm(g_blk.T, e_blk, out=acc)
+            else:
+                mm_fp32_out(g_blk.T, e_blk, acc)
             if dbias is not None:
                 dbias += g_blk.sum(0, dtype=torch.float32)
         if acc is not dc:
