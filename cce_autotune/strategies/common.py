@@ -15,8 +15,8 @@ from typing import Any
 from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import Flags, interpreting, load_utility
 
-__all__ = ["RowLayout", "BackwardArgs", "flags", "softcap_arg", "convert_rows", "target_weight", "scale_in_place", "add_target_terms",
-           "add_matmul", "add_matmul_fp32", "mm_fp32_out", "tma_descriptors"]
+__all__ = ["RowLayout", "BackwardArgs", "flags", "softcap_arg", "convert_rows", "scale_in_place", "target_weight",
+           "add_target_terms", "add_matmul", "add_matmul_fp32", "mm_fp32_out", "tma_descriptors"]
 
 
 @dataclass
