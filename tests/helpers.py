@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -67,3 +69,20 @@ def make_inputs(batch, V, D, dtype, *, bias=False, seed=0, peaked=0.0, device="c
     b = torch.randn(V, generator=g) * 0.5 if bias else None
     cast = lambda x: x.to(device=device, dtype=dtype) if x is not None else None
     return cast(e), cast(c), t.to(device), cast(b)
+
+
+@contextlib.contextmanager
+def unwritten_is_nan():
+    """Within: ``torch.empty`` hands out floating buffers filled with NaN, so that any element a
+    kernel or product leaves unwritten shows up in the result."""
+    empty = torch.empty
+
+    def poisoned(*a, **k):
+        x = empty(*a, **k)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    torch.empty = poisoned
+    try:
+        yield
+    finally:
+        torch.empty = empty
