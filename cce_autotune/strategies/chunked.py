@@ -32,7 +32,7 @@ from .common import (
     add_target_terms,
     convert_rows,
     flags,
-    mm_fp32_out,
+    mm_out,
     softcap_arg,
     tma_descriptors,
 )
@@ -380,17 +380,11 @@ class Chunked(Strategy):
                         if dc_part is not None:
                             add_matmul_fp32(dc_part[:w], g.T, e_rows)
                         elif cols is None:
-                            if dc.dtype == g.dtype:
-                                torch.mm(g.T, e_rows, out=dc[lo : lo + w])
-                            else:
-                                mm_fp32_out(g.T, e_rows, dc[lo : lo + w])
+                            mm_out(g.T, e_rows, dc[lo : lo + w])
                         else:
-                            if dc.dtype == g.dtype:
-                                dc[cols] = g.T @ e_rows
-                            else:
-                                part = torch.empty((w, D), dtype=dc.dtype, device=dev)
-                                mm_fp32_out(g.T, e_rows, part)
-                                dc[cols] = part
+                            part = torch.empty((w, D), dtype=dc.dtype, device=dev)
+                            mm_out(g.T, e_rows, part)
+                            dc[cols] = part
                     if deterministic and dbias is not None:
                         part_b = g.sum(0, dtype=torch.float32)
                         if cols is None:

@@ -16,7 +16,7 @@ from .._lazy import torch, triton  # (imported on first use: see cce_autotune._l
 from ..codegen import Flags, interpreting, load_utility
 
 __all__ = ["RowLayout", "BackwardArgs", "flags", "softcap_arg", "convert_rows", "scale_in_place", "target_weight",
-           "add_target_terms", "add_matmul", "add_matmul_fp32", "mm_fp32_out", "tma_descriptors"]
+           "add_target_terms", "add_matmul", "add_matmul_fp32", "mm_out", "tma_descriptors"]
 
 
 @dataclass
@@ -242,11 +242,12 @@ def add_target_terms(c, e2, rows: RowLayout, targets, coef_out, zt, softcap, acc
 _MM_FP32_OUT: list = []  # whether mm's out_dtype works here, found on the first CUDA call
 
 
-def mm_fp32_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """out (fp32) = a @ b with no rounding of the product to a's 16-bit dtype where this PyTorch
-    offers it (mm's out_dtype on CUDA); elsewhere the product of the upcast operands on the CPU, or
-    the 16-bit product on a GPU without out_dtype."""
-    if a.dtype == torch.float32:
+def mm_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b in out's dtype: of a's dtype as cuBLAS writes it (fp32 inside, one rounding), or
+    fp32 from 16-bit a, b with no rounding of the product to 16 bits where this PyTorch offers it
+    (mm's out_dtype on CUDA); elsewhere the product of the upcast operands on the CPU, or the 16-bit
+    product on a GPU without out_dtype."""
+    if a.dtype == out.dtype:
         torch.mm(a, b, out=out)
     elif a.is_cuda:
         if not _MM_FP32_OUT:

@@ -17,7 +17,7 @@ from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import load_kernel
 from ..plans import CallProblem, Option
 from .base import Coefficient, PlanContext, Strategy, mm_ms
-from .common import RowLayout, add_matmul, flags, mm_fp32_out, softcap_arg
+from .common import RowLayout, add_matmul, flags, mm_out, softcap_arg
 
 __all__ = ["Fused", "STRATEGY", "extra_bytes", "cost", "block_rows"]
 
@@ -142,7 +142,7 @@ class Fused(Strategy):
             r1 = min(n, r0 + R)
             m = r1 - r0
             e_blk = e2[r0:r1] if dense else e2[row_idx[r0:r1]]
-            mm_fp32_out(e_blk, c.T, z[:m])
+            mm_out(e_blk, c.T, z[:m])
             kernel[(m,)](
                 z, bias if bias is not None else z, targets[r0:r1], coef[r0:r1], g, lse[r0:r1], zt[r0:r1],
                 V, z.stride(0), g.stride(0), softcap_arg(softcap),
@@ -155,10 +155,8 @@ class Fused(Strategy):
                 de2[row_idx[r0:r1]] = g_blk @ c
             if r0 > 0:
                 add_matmul(acc, g_blk.T, e_blk)  # fp32 inside cuBLAS; in a 16-bit dC one rounding per block of rows
-            elif acc.dtype == g_blk.dtype:
-                torch.mm(g_blk.T, e_blk, out=acc)
             else:
-                mm_fp32_out(g_blk.T, e_blk, acc)
+                mm_out(g_blk.T, e_blk, acc)  # (the first block writes dC: no fill)
             if dbias is not None:
                 dbias += g_blk.sum(0, dtype=torch.float32)
         if acc is not dc:
