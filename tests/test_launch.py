@@ -181,7 +181,7 @@ def test_rendered_kernels_come_in_one_launcher_each():
     k = load_kernel(v, Flags(interpret=True))
     assert isinstance(k, Launcher) and load_kernel(v, Flags(interpret=True)) is k
     assert k.fn.__name__ == "cce_indexed_dot_kernel"  # (the @jit function's attributes pass through)
-    u = load_utility("convert.py.j2", "cce_convert_rows_kernel", GATHER=False, ROUND_BF16=True)
+    u = load_utility("convert.py.j2", "cce_convert_rows_kernel", GATHER=False)
     assert isinstance(u, Launcher)
 
 

@@ -183,8 +183,7 @@ def convert_rows(c: torch.Tensor, lo: int, w: int, perm: torch.Tensor | None, bu
     returns the filled view."""
     out = buf[:w]
     D = c.shape[1]
-    kernel = load_utility("convert.py.j2", "cce_convert_rows_kernel", GATHER=perm is not None,
-                          ROUND_BF16=buf.dtype == torch.bfloat16)
+    kernel = load_utility("convert.py.j2", "cce_convert_rows_kernel", GATHER=perm is not None)
     block_d = min(128, triton.next_power_of_2(D))
     grid = (triton.cdiv(w, 32), triton.cdiv(D, block_d))
     kernel[grid](c, perm if perm is not None else c, out, lo, w, D, c.stride(0), c.stride(1), out.stride(0),
