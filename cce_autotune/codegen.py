@@ -24,6 +24,7 @@ import hashlib
 import json
 import linecache
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -40,6 +41,9 @@ from .launch import Launcher
 from .paths import cache_dir, resource_dir
 
 __all__ = ["Flags", "render_source", "load_kernel", "template_hash", "template_files", "interpreting"]
+
+_IMPORT = re.compile(r"""\{%-?\s*(?:import|from|include)\s+["']([^"']+)["']""")
+
 
 def template_files(kernel: str) -> tuple:
     """Every template a kernel's variants may render: ``<kernel>.py.j2`` and ``<kernel>_*.py.j2`` (the
@@ -127,10 +131,14 @@ def _env() -> jinja2.Environment:
 
 @lru_cache(maxsize=None)
 def template_hash(kernel: str) -> str:
-    """Hash of a kernel's template and the shared macros: changes whenever the generated code may."""
+    """Hash of a kernel's templates and the macro files they import: changes whenever the generated
+    code may."""
     h = hashlib.sha256()
     tdir = resource_dir("templates")
-    for name in sorted({*template_files(kernel), "_common.j2"}):
+    names = set(template_files(kernel))
+    for name in list(names):
+        names.update(_IMPORT.findall((tdir / name).read_text()))
+    for name in sorted(names | {"_common.j2"}):
         h.update(name.encode())
         h.update((tdir / name).read_bytes())
     return h.hexdigest()[:16]

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cce_autotune import BackwardVariant, LSEForwardVariant, linear_cross_entropy, memory
 from cce_autotune.planning import budget as budgets
@@ -252,9 +253,12 @@ def test_live_lists_hold_each_blocks_live_entries_first():
 @pytest.mark.parametrize("n", [100, 3000, 8192])
 @pytest.mark.parametrize("dense", [True, False])
 def test_fused_blocks_are_all_rows_or_the_largest_power_of_two_that_fits(n, dense):
-    # The block is its fp32 logits alone (g is written over them): 4 bytes per logit, not 4 + 2.
+    # A block's row: g in e's dtype (2 bytes a logit, not fp32 logits' 4), one logit chunk of 4096
+    # columns in fp32 and two fp32 statistics for each of its 16 pieces of up to 2048 columns.
     p = Problem(n=n, n_all=n, V=32000, D=4096, elem=2, grad_bytes=0, dense_rows=dense)
-    assert fused.extra_bytes(p, 16) == 16 * 32000 * 4 + 4 * 32000 + (0 if dense else 16 * 2 * 4096 * 2)
+    assert fused.chunk_width(32000) == 4096 and fused.pieces(32000, 2048) == (2, 16)
+    row = 32000 * 2 + 4096 * 4 + 16 * 8
+    assert fused.extra_bytes(p, 16) == 16 * row + 4 * 32000 + (0 if dense else 16 * 2 * 4096 * 2)
     assert fused.block_rows(p, None) == n
     assert fused.block_rows(p, fused.extra_bytes(p, n)) == n
     for budget in (176 * MiB, 50 * MiB, 10 * MiB):
@@ -495,7 +499,7 @@ def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(dtype, device, mo
     # Blocks of 16 rows (dC written by the first block, summed into by the others); a loss multiplied
     # by 3 gets 3x the gradients. Buffers come unfilled (NaN here): the blocks write every element.
     set_costs(fused_min_rows=1)
-    monkeypatch.setattr(fused, "extra_bytes", lambda p, R, dc_fp32=False: R * 1000)
+    monkeypatch.setattr(fused, "extra_bytes", lambda p, R, dc_fp32=False, block_v=2048: R * 1000)
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
     e, c, t, _ = make_inputs((70,), 130, 40, dtype, device=device)
     with unwritten_is_nan():
@@ -504,6 +508,49 @@ def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(dtype, device, mo
     _, (re, rc) = grads_of(lambda e_, c_: 3 * torch_loss(e_, c_, t), e.double(), c.double())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(ge, re) < tol and rel_err(gc, rc) < tol
+
+
+@pytest.mark.parametrize("dtype, features", [(torch.float32, "plain"), (torch.bfloat16, "plain"),
+                                             (torch.bfloat16, "bias+softcap"), (torch.float16, "bias+softcap")], ids=str)
+def test_fused_blocks_chunks_and_pieces_against_float64(dtype, features, device):
+    # The fused forward alone: 24 gathered rows in blocks of 16, 700 columns in logit chunks of 256
+    # (the last of 188) and pieces of 64 columns (4 a chunk, the last chunk's last of 60), each piece
+    # with its own maximum; LSE, target logits, dE, dC, dbias against float64. Unfilled buffers are NaN.
+    from cce_autotune.strategies.common import RowLayout
+
+    full = features != "plain"
+    V, D, n_all = 700, 24, 30
+    assert fused.chunk_width(V) == 256 and fused.pieces(V, 64) == (4, 11)
+    e, c, _, b = make_inputs((n_all,), V, D, dtype, bias=full, peaked=1.0, device=device)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randperm(n_all, generator=g)[:24].sort().values.to(device)
+    t = torch.randint(0, V, (24,), generator=g).to(device)
+    t[12:20] = t[0]  # (a target shared by several rows, in both blocks)
+    coef = (torch.rand(24, generator=g) + 0.5).to(device)
+    cap = 8.0 if full else None
+    layout = RowLayout(offsets=rows * D, de_offsets=rows * D)
+    plan = BackwardPlan(strategy="fused", use_map=False, row_block=16)
+    with unwritten_is_nan():
+        lse, zt, de, dc, db = fused.STRATEGY.run_forward(e, c, b, layout, t, coef, cap, BackwardVariant(), plan,
+                                                         block_v=64)
+    e64, c64 = e.double()[rows], c.double()
+    z = e64 @ c64.T + (b.double() if full else 0)
+    if full:
+        z = cap * torch.tanh(z / cap)
+    ref_lse = torch.logsumexp(z, 1)
+    gz = (torch.softmax(z, 1) - F.one_hot(t, V).double()) * coef.double()[:, None]
+    if full:
+        gz = gz * (1 - (z / cap) ** 2)
+    ref_de = torch.zeros(n_all, D, dtype=torch.float64, device=device)
+    ref_de[rows] = gz @ c64
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(lse, ref_lse) < 1e-5 and rel_err(zt, z.gather(1, t[:, None])[:, 0]) < 1e-5
+    assert rel_err(de, ref_de) < tol and rel_err(dc, gz.T @ e64) < tol
+    assert de.dtype == e.dtype and dc.dtype == c.dtype
+    if full:
+        assert db.dtype == b.dtype and rel_err(db, gz.sum(0)) < tol
+    else:
+        assert db is None
 
 
 def test_fused_is_not_used_where_it_cannot_be(device, monkeypatch, set_costs):

@@ -1,14 +1,16 @@
-"""The fused strategy: the gradients computed during the forward, in blocks of rows. cuBLAS forms a
-block's fp32 logits, a kernel its LSE, target logit and gradient g (written over the logits: g's row i
-takes the first bytes of the logits' row i), cuBLAS dE[block] = g C and dC += g^T E[block]; the
+"""The fused strategy: the gradients computed during the forward, in blocks of rows. For each chunk of
+columns cuBLAS forms the block's fp32 logits in a scratch and a kernel turns them into u = exp(z - m)
+(m the largest logit of each piece of the row, u <= 1, 16 bits where g is) in the block's gradient
+buffer, with each piece's statistics; a second kernel takes each row's LSE from them and rescales u
+into g = softmax * coef - onehot * coef in place; cuBLAS dE[block] = g C and dC += g^T E[block]; the
 backward only scales them by the incoming gradient. No recompute (three matmuls where the others need
-four when most tiles are live), at the price of the logit block (rows x V, fp32). Blocks are as large
-as the budget allows: dC is read and written once per block, so fewer blocks move less memory. dC
-sums over the blocks: straight into an fp32 dC (an fp32 classifier), else in an
-fp32 accumulator (V x D, 4 bytes each) where the plan says so, else in dC's own dtype with one
-rounding per block (over as many blocks as the call's accuracy allows:
-:data:`cce_autotune.planning.filters.SUMMED_DC_BLOCKS`, none for exact calls). For
-the "mean" and "sum" reductions without the LSE's gradient (the planner takes it only then).
+four when most tiles are live), at the price of the block's g (rows x V in e's dtype) and a chunk's
+fp32 scratch. Blocks are as large as the budget allows: dC is read and written once per block, so
+fewer blocks move less memory. dC sums over the blocks: straight into an fp32 dC (an fp32
+classifier), else in an fp32 accumulator (V x D, 4 bytes each) where the plan says so, else in dC's
+own dtype with one rounding per block (over as many blocks as the call's accuracy allows:
+:data:`cce_autotune.planning.filters.SUMMED_DC_BLOCKS`, none for exact calls). For the "mean" and
+"sum" reductions without the LSE's gradient (the planner takes it only then).
 """
 
 from __future__ import annotations
@@ -19,44 +21,63 @@ from ..plans import CallProblem, Option
 from .base import Coefficient, PlanContext, Strategy, mm_ms
 from .common import RowLayout, add_matmul, flags, mm_out, softcap_arg
 
-__all__ = ["Fused", "STRATEGY", "extra_bytes", "cost", "block_rows"]
+__all__ = ["Fused", "STRATEGY", "extra_bytes", "cost", "block_rows", "chunk_width", "pieces", "LOGIT_CHUNKS"]
+
+LOGIT_CHUNKS = 8
+"""Chunks of columns a block's logits are formed in: the fp32 scratch is an eighth of the logits'."""
 
 
-def extra_bytes(p: CallProblem, row_block: int, dc_fp32: bool = False) -> int:
-    """A block's fp32 logits (its gradient written over them) and, rows not dense, its rows of E and
-    of dE; with ``dc_fp32``, dC's fp32 accumulator."""
+def chunk_width(V: int) -> int:
+    """Columns of a logit chunk: a multiple of 256 (whole cuBLAS tiles), about V / LOGIT_CHUNKS."""
+    return min(V, 256 * -(-V // (256 * LOGIT_CHUNKS)))
+
+
+def pieces(V: int, block_v: int) -> tuple:
+    """``(pieces per chunk, pieces per row)``: the row kernels' programs along a row, ``block_v``
+    columns each, none across two chunks."""
+    W = chunk_width(V)
+    per_chunk = -(-W // block_v)
+    return per_chunk, per_chunk * (V // W) + -(-(V % W) // block_v)
+
+
+def extra_bytes(p: CallProblem, row_block: int, dc_fp32: bool = False, block_v: int = 2048) -> int:
+    """A block's g (in e's dtype), its fp32 logit chunk and its pieces' statistics (``block_v``
+    columns a piece; rows not dense, its rows of E and of dE too); with ``dc_fp32``, dC's fp32
+    accumulator."""
     R = min(row_block, p.n)
-    b = R * _row_bytes(p)
+    b = R * _row_bytes(p, block_v)
     if dc_fp32:
         b += 4 * p.V * p.D
     return b + 4 * p.V
 
 
-def _row_bytes(p: CallProblem) -> int:
-    """A block's bytes per row: its fp32 logits (and, rows not dense, its row of E and of dE)."""
-    return 4 * p.V + (0 if p.dense_rows else 2 * p.D * p.elem)
+def _row_bytes(p: CallProblem, block_v: int) -> int:
+    """A block's bytes per row: g, the fp32 logit chunk (16-bit g; an fp32 g holds its own logits),
+    two fp32 statistics a piece and, rows not dense, its row of E and of dE."""
+    return (p.elem * p.V + (4 * chunk_width(p.V) if p.elem < 4 else 0) + 8 * pieces(p.V, block_v)[1]
+            + (0 if p.dense_rows else 2 * p.D * p.elem))
 
 
 def cost(p: CallProblem, costs, row_block: int, dc_fp32: bool = False) -> float:
     """Forward and backward together: three products (logits, dE, dC), slowed where a block of rows
-    is too short for cuBLAS to reuse each row of C it reads; the logit block's traffic (fp32 logits
-    written and read twice, g written and read twice); dC (or its fp32 accumulator) read and written
-    once per block."""
+    is too short for cuBLAS to reuse each row of C it reads; the logits' traffic (fp32 logits written
+    and read, u written and read, g written and read twice); dC (or its fp32 accumulator) read and
+    written once per block."""
     R = max(1, min(row_block, p.n))
     reuse = max(1.0, costs.flops_per_byte / R)
-    traffic = (12 + 3 * p.elem) * costs.flops_per_byte / (2 * p.D)
+    traffic = (8 + 5 * p.elem) * costs.flops_per_byte / (2 * p.D)
     dc_traffic = (4 if dc_fp32 else p.dc_elem) * costs.flops_per_byte / R  # dC read and written once per block
     host = costs.block_ms * -(-p.n // R) / mm_ms(p, costs)
     return max(1.5 * costs.products * reuse + traffic + dc_traffic, host)
 
 
-def block_rows(p: CallProblem, budget: int | None, dc_fp32: bool = False) -> int | None:
+def block_rows(p: CallProblem, budget: int | None, dc_fp32: bool = False, block_v: int = 2048) -> int | None:
     """Rows per logit block of the fused strategy: all of them when they fit ``budget``, else the
     largest power of two (at least 16) whose block fits; None when not even 16 rows do. (A power of
     two: cuBLAS's tiles divide it. Blocks of 1376 rows measured 1-13 % slower than blocks of 1024.)"""
-    if budget is None or extra_bytes(p, p.n, dc_fp32) <= budget:
+    if budget is None or extra_bytes(p, p.n, dc_fp32, block_v) <= budget:
         return p.n
-    most = (budget - extra_bytes(p, 0, dc_fp32)) // _row_bytes(p)
+    most = (budget - extra_bytes(p, 0, dc_fp32, block_v)) // _row_bytes(p, block_v)
     if most < 16:
         return None
     return 1 << (int(most).bit_length() - 1)
@@ -72,7 +93,7 @@ class Fused(Strategy):
         Coefficient("block_ms", 0.12, "host time per block of rows"),
         Coefficient("fused_min_rows", 128, "fewest rows per block: below this cuBLAS reads C for each block of rows more "
                     "than it computes", integer=True),
-        Coefficient("fused_block_v", 2048, "columns per step of the row kernel", integer=True,
+        Coefficient("fused_block_v", 2048, "columns per program of the row kernels", integer=True,
                     power_of_two=(16, 65536)),
     )
     space_rules = (
@@ -91,17 +112,18 @@ class Fused(Strategy):
         ``budget``. A 16-bit dC that takes more than one block sums in an fp32 accumulator where it
         fits beside a block, else in dC itself over at most ``summed_blocks`` blocks. None: nothing
         fits, or, unless ``forced``, blocks of fewer rows than the cost model's ``fused_min_rows``."""
-        R = block_rows(p, budget)
+        bv = costs.fused_block_v
+        R = block_rows(p, budget, block_v=bv)
         acc = False
         if R is not None and R < p.n and p.dc_elem < 4:
-            with_acc = block_rows(p, budget, dc_fp32=True)
+            with_acc = block_rows(p, budget, dc_fp32=True, block_v=bv)
             if with_acc is not None and (with_acc >= min(p.n, costs.fused_min_rows) or forced):
                 R, acc = with_acc, with_acc < p.n
             elif -(-p.n // R) > summed_blocks:
                 R = None
         if R is None or (R < min(p.n, costs.fused_min_rows) and not forced):
             return None
-        return Option(cost(p, costs, R, acc), extra_bytes(p, R, acc), sizes=dict(row_block=R, dc_fp32=acc))
+        return Option(cost(p, costs, R, acc), extra_bytes(p, R, acc, bv), sizes=dict(row_block=R, dc_fp32=acc))
 
     def forward_cost(self, p: CallProblem, costs, plan) -> float:
         return cost(p, costs, plan.row_block, plan.dc_fp32)
@@ -112,7 +134,8 @@ class Fused(Strategy):
         - onehot * coef[i]`` (times the softcap derivative): ``(lse, zt, dE, dC, dbias)`` (fp32 LSE
         and target logits of the rows taking part; dE, dC, dbias shaped and typed like e, c, bias;
         dbias None without a bias, dC in ``dc_dtype`` when given). Rows go in blocks of
-        ``plan.row_block``; the row kernel steps ``block_v`` columns at a time."""
+        ``plan.row_block``, the logits in chunks of :func:`chunk_width` columns; each program of the
+        row kernels takes ``block_v`` columns."""
         row_block = plan.row_block
         n, D = rows.n, e.shape[-1]
         V = c.shape[0]
@@ -133,20 +156,37 @@ class Fused(Strategy):
         if n == 0:
             return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None
         R = max(1, min(row_block, n))
-        z = torch.empty((R, V), dtype=torch.float32, device=dev)
-        # g over z: row i of g in the first bytes of z's row i (the kernel writes each piece of a row
-        # after reading it; see templates/backward_fused.py.j2); cuBLAS reads it with z's row pitch.
-        g = z if e.dtype == torch.float32 else z.view(e.dtype)[:, :V]
-        kernel = load_kernel(variant.replace(strategy=self.name), flags(e, c, bias, softcap, variant.block_d, rows))
+        W = chunk_width(V)
+        per_chunk, n_pieces = pieces(V, block_v)
+        g = torch.empty((R, V), dtype=e.dtype, device=dev)
+        # one chunk's fp32 logits: a scratch beside a 16-bit g; an fp32 g takes them in place
+        z = torch.empty(R * W, dtype=torch.float32, device=dev) if g.element_size() < 4 else None
+        u = g.view(torch.float16) if g.element_size() == 2 else g  # (u <= 1: fp16, finer than bf16)
+        stats = torch.empty((2, R, n_pieces), dtype=torch.float32, device=dev)  # each piece's max, sum
+        fl = flags(e, c, bias, softcap, variant.block_d, rows)
+        v = variant.replace(strategy=self.name)
+        chunk_kernel = load_kernel(v, fl, name="cce_fused_chunk_kernel")
+        grad_kernel = load_kernel(v, fl)
+        bias_arg = bias if bias is not None else g
+        cap = softcap_arg(softcap)
         for r0 in range(0, n, R):
             r1 = min(n, r0 + R)
             m = r1 - r0
             e_blk = e2[r0:r1] if dense else e2[row_idx[r0:r1]]
-            mm_out(e_blk, c.T, z[:m])
-            kernel[(m,)](
-                z, bias if bias is not None else z, targets[r0:r1], coef[r0:r1], g, lse[r0:r1], zt[r0:r1],
-                V, z.stride(0), g.stride(0), softcap_arg(softcap),
-                BLOCK_V=block_v, num_warps=8,
+            tgt, cf = targets[r0:r1], coef[r0:r1]
+            for c0 in range(0, V, W):
+                w = min(W, V - c0)
+                zc = z[:m * w].view(m, w) if z is not None else g[:m, c0:c0 + w]
+                mm_out(e_blk, c[c0:c0 + w].T, zc)
+                chunk_kernel[(m, -(-w // block_v))](
+                    zc, bias_arg, tgt, u, stats[0], stats[1], zt[r0:r1],
+                    c0, w, (c0 // W) * per_chunk, zc.stride(0), u.stride(0), stats.stride(1), cap,
+                    BLOCK_V=block_v, num_warps=8,
+                )
+            grad_kernel[(m, n_pieces)](
+                u, g, stats[0], stats[1], tgt, cf, lse[r0:r1], zt[r0:r1],
+                V, W, per_chunk, n_pieces, g.stride(0), stats.stride(1), cap,
+                BLOCK_V=block_v, BLOCK_S=256, num_warps=8,
             )
             g_blk = g[:m]
             if dense:
