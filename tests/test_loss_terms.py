@@ -219,6 +219,10 @@ def test_gradient_scaling_rounds_once(dtype, device):
     scale_in_place(x, f)
     assert torch.equal(x.isnan(), ref.isnan())
     assert torch.equal(x.float().nan_to_num(), ref.float().nan_to_num())
+    for factor in (1.0, -1.0, 2.0):  # (a factor of 1 leaves every bit as it was; others scale)
+        y = x.clone()
+        scale_in_place(y, torch.tensor(factor, device=device))
+        assert torch.equal(y.float().nan_to_num(), (x.float() * factor).to(dtype).float().nan_to_num())
     with pytest.raises(ValueError, match="^t: "):
         scale_in_place(torch.zeros(4, 4, device=device).T[:2], f)
 

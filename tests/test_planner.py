@@ -254,10 +254,10 @@ def test_live_lists_hold_each_blocks_live_entries_first():
 @pytest.mark.parametrize("dense", [True, False])
 def test_fused_blocks_are_all_rows_or_the_largest_power_of_two_that_fits(n, dense):
     # A block's row: g in e's dtype (2 bytes a logit, not fp32 logits' 4), one logit chunk of 4096
-    # columns in fp32 and two fp32 statistics for each of its 16 pieces of up to 2048 columns.
+    # columns in fp32 and two fp32 statistics for each of its 8 pieces of up to 4096 columns.
     p = Problem(n=n, n_all=n, V=32000, D=4096, elem=2, grad_bytes=0, dense_rows=dense)
-    assert fused.chunk_width(32000) == 4096 and fused.pieces(32000, 2048) == (2, 16)
-    row = 32000 * 2 + 4096 * 4 + 16 * 8
+    assert fused.chunk_width(32000) == 4096 and fused.pieces(32000) == (1, 8) and fused.pieces(32000, 1024) == (4, 32)
+    row = 32000 * 2 + 4096 * 4 + 8 * 8
     assert fused.extra_bytes(p, 16) == 16 * row + 4 * 32000 + (0 if dense else 16 * 2 * 4096 * 2)
     assert fused.block_rows(p, None) == n
     assert fused.block_rows(p, fused.extra_bytes(p, n)) == n
