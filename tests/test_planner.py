@@ -15,6 +15,7 @@ from cce_autotune.planning.filters import SUMMED_DC_BLOCKS
 from cce_autotune.plans import BackwardPlan, MiB
 from cce_autotune.plans import CallProblem as Problem
 from cce_autotune.strategies import chunked, forward, fused, tiles
+from conftest import DEVICE
 from helpers import grads_of, make_inputs, rel_err, torch_loss, unwritten_is_nan
 from test_loss import SMALL, assert_within, run_case
 from test_variants import filtered_bound
@@ -230,7 +231,8 @@ def test_live_lists_hold_each_blocks_live_entries_first():
     # beyond the grid (the last chunk's and group's padding) are dead.
     g = torch.Generator().manual_seed(0)
     live = torch.rand((7, 11), generator=g) < 0.3  # 7 row blocks, 11 tiles
-    row_idx, row_cnt, col_idx, col_cnt = chunked.live_lists(live, 4, 3)  # chunks of 4 tiles, groups of 3
+    lists = chunked.live_lists(live.to(DEVICE), 4, 3)  # chunks of 4 tiles, groups of 3
+    row_idx, row_cnt, col_idx, col_cnt = (x.cpu() for x in lists)
     assert row_idx.shape == (9, 12) and row_cnt.shape == (9, 3) and col_idx.shape == (3, 12, 3)
     assert col_cnt.shape == (3, 12) and row_idx.dtype == col_idx.dtype == row_cnt.dtype == torch.int32
     padded = torch.zeros((9, 12), dtype=torch.bool)
@@ -238,14 +240,28 @@ def test_live_lists_hold_each_blocks_live_entries_first():
     for b in range(9):
         for k in range(3):
             want = [t for t in range(4) if padded[b, 4 * k + t]]
-            assert row_cnt[b, k] == len(want) and row_idx[b, 4 * k: 4 * k + len(want)].tolist() == want
-            assert sorted(row_idx[b, 4 * k: 4 * k + 4].tolist()) == [0, 1, 2, 3]
+            assert row_cnt[b, k] == len(want)
+            # (live first, then dead, each in order: a stable partition)
+            assert row_idx[b, 4 * k: 4 * k + 4].tolist() == want + [t for t in range(4) if t not in want]
     for j in range(3):
         for t in range(12):
             want = [r for r in range(3) if padded[3 * j + r, t]]
-            assert col_cnt[j, t] == len(want) and col_idx[j, t, : len(want)].tolist() == want
+            assert col_cnt[j, t] == len(want)
+            assert col_idx[j, t].tolist() == want + [r for r in range(3) if r not in want]
+    # Chunks and groups wider than a launch's power-of-two block of the other list.
+    big = torch.rand((37, 300), generator=g) < 0.2
+    row_idx, row_cnt, col_idx, col_cnt = (x.cpu() for x in chunked.live_lists(big.to(DEVICE), 64, 5))
+    padded = torch.zeros((40, 320), dtype=torch.bool)
+    padded[:37, :300] = big
+    blocks = padded.view(40, 5, 64)
+    assert row_cnt.tolist() == blocks.sum(-1).tolist()
+    key = (~blocks).int() * 64 + torch.arange(64)  # (live first, each part in order)
+    assert row_idx.view(40, 5, 64).tolist() == key.argsort(-1).tolist()
+    groups = padded.view(8, 5, 320).transpose(1, 2)
+    assert col_cnt.tolist() == groups.sum(-1).tolist()
+    assert col_idx.tolist() == ((~groups).int() * 5 + torch.arange(5)).argsort(-1).tolist()
     # One group of every row block, one chunk of every tile.
-    _, row_cnt, col_idx, col_cnt = chunked.live_lists(live, 11)
+    _, row_cnt, col_idx, col_cnt = (x.cpu() for x in chunked.live_lists(live.to(DEVICE), 11))
     assert row_cnt.view(-1).tolist() == live.sum(1).tolist() and col_cnt.view(-1).tolist() == live.sum(0).tolist()
     assert col_idx.shape == (1, 11, 7)
 

@@ -17,7 +17,8 @@ from ..tile_map import sort_order
 from . import reference
 from .call import Call
 
-__all__ = ["CallState", "forward", "forward_reference", "vocabulary_order", "backward", "backward_reference",
+__all__ = ["CallState", "forward", "forward_reference", "vocabulary_order", "MapTargets", "map_targets", "backward",
+           "backward_reference",
            "reduce_loss", "add_uniform_term"]
 
 
@@ -182,10 +183,43 @@ def vocabulary_order(plan: CallPlan, call: Call, e, c, bias):
     return order
 
 
+class MapTargets:
+    """Where the call's targets lie in the order the forward walked (its tile map's), for a backward
+    launched from the map: ``pos`` (n,) int32, each row's target's position in that order; ``tile``
+    (n,) int64, the flat index of the (row block, tile) holding it in the live grid of (block_b x
+    block_v) tiles. Nothing here depends on what the backward's planning reads back, so the backward
+    enqueues it first (:func:`map_targets`): the device runs it while it finishes the forward rather
+    than after the read-back, while it would wait for the host."""
+
+    def __init__(self, call: Call, tile_map, block_b: int, block_v: int):
+        self.perm = tile_map.perm
+        self.pos = _positions(self.perm, call.targets)
+        self.block_b, self.block_v = block_b, block_v
+        n_tiles = -(-call.V // block_v)
+        rows = torch.arange(self.pos.shape[0], device=self.pos.device)
+        self.tile = (rows // block_b) * n_tiles + self.pos.long() // block_v
+
+
+def map_targets(plan: CallPlan | None, call: Call, tile_map) -> MapTargets | None:
+    """The call's :class:`MapTargets` where the forward recorded a tile map, else None."""
+    if plan is None or tile_map is None or call.n_rows == 0:
+        return None
+    bw = plan.variants.backward
+    return MapTargets(call, tile_map, bw.block_b, bw.block_v)
+
+
+def _positions(perm, targets):
+    """Each target's position in the order ``perm`` (position p is vocabulary entry perm[p])."""
+    inv = torch.empty_like(perm)
+    inv[perm.long()] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
+    return inv[targets]
+
+
 def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u, tile_map, csum=None,
-             order=None) -> tuple:
+             order=None, at_map: MapTargets | None = None) -> tuple:
     """``(dE, dC, dbias)`` on the kernels' path, as ``plan`` (complete: its backward planned) says;
-    ``lse`` is infinite where a row has no gradient; ``order``: :func:`vocabulary_order`'s."""
+    ``lse`` is infinite where a row has no gradient; ``order``: :func:`vocabulary_order`'s;
+    ``at_map``: :func:`map_targets`'s, where the call has a tile map (else computed here)."""
     bw = plan.backward
     if plan.forward.sort and order is None:
         raise ValueError("order: the plan sorts the vocabulary; pass vocabulary_order(...)'s")
@@ -195,10 +229,10 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
         coef_s, coef_t = coef_s * scale, coef_t * scale
         coef_u = coef_u * scale if coef_u is not None else None
     perm = {"map": tile_map.perm if tile_map is not None else None, "sorted": order, "natural": None}[plan.order]
-    if perm is not None:
-        inv = torch.empty_like(perm)
-        inv[perm.long()] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
-        target_pos = inv[call.targets]
+    if perm is not None and at_map is not None and perm is at_map.perm:
+        target_pos = at_map.pos
+    elif perm is not None:
+        target_pos = _positions(perm, call.targets)
     else:
         target_pos = call.targets
     strategy = strategies.get(bw.strategy)
@@ -215,9 +249,9 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
     if bw.use_map and rows.n > 0:
         # The onehot term of a row is added inside a launched tile; rows whose target tile is not
         # launched get theirs from outside (coefficient coef_out).
-        in_live = plan.live[torch.arange(rows.n, device=lse.device) // variant.block_b,
-                            target_pos.long() // variant.block_v]
-        coef_out = torch.where(in_live, 0.0, coef_t)
+        if at_map is None or (at_map.block_b, at_map.block_v) != (variant.block_b, variant.block_v):
+            at_map = MapTargets(call, tile_map, variant.block_b, variant.block_v)
+        coef_out = torch.where(plan.live.view(-1)[at_map.tile], 0.0, coef_t)
     args = BackwardArgs(
         e=e, c=ck, bias=bias, rows=rows, target_pos=target_pos, targets=call.targets, lse=lse, coef_s=coef_s,
         coef_t=coef_t, coef_out=coef_out, perm=perm, softcap=call.softcap, filter_eps=plan.run_eps, variant=variant,

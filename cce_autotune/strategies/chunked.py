@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
-from ..codegen import load_kernel
+from ..codegen import load_kernel, load_utility
 from ..plans import CallProblem, Option
 from .base import Coefficient, PlanContext, Strategy, mm_ms
 from .common import (
@@ -39,7 +39,7 @@ from .common import (
 
 __all__ = ["Chunked", "STRATEGY", "shape", "extra_bytes", "cost", "chunk_grid", "listed_tiles", "live_lists"]
 
-LIST_BYTES = 32  # per tile of the live grid: two int32 lists, and their sort's int64 indices and keys
+LIST_BYTES = 16  # per tile of the live grid: two int32 lists and their counts (at most an int32 each a tile)
 PRODUCT_K = 64  # the tile products' step along the summed dimension (at most a tile's side)
 
 
@@ -66,7 +66,7 @@ def extra_bytes(p: CallProblem, chunk_v: int, de_fp32: bool, use_map: bool, row_
     if not use_map:
         return b
     b += 24 * p.n  # target terms outside the launched tiles: the targets sorted, their order and runs (with a map)
-    b += LIST_BYTES * list_tiles  # the tile products' live lists (and their sort's scratch)
+    b += LIST_BYTES * list_tiles  # the tile products' live lists
     # The map stays alive; the transient comparison that turns it into the live grid is freed
     # before these buffers are allocated, so the peak is the larger of the two.
     return p.map_bytes + max(b, p.map_bytes)
@@ -140,12 +140,16 @@ def _padded_grid(live_grid, chunk_tiles: int, group_blocks: int) -> tuple:
     entries to whole chunks of ``chunk_tiles`` tiles and whole groups of ``group_blocks`` row blocks
     (0: one group of all rows)."""
     Rb, T = live_grid.shape
-    K = -(-T // chunk_tiles)
-    rg = group_blocks if 0 < group_blocks < Rb else max(1, Rb)
-    G = -(-Rb // rg)
+    K, G, rg = _padding(Rb, T, chunk_tiles, group_blocks)
     padded = torch.zeros((G * rg, K * chunk_tiles), dtype=torch.bool, device=live_grid.device)
     padded[:Rb, :T] = live_grid
     return padded, G, rg, K
+
+
+def _padding(Rb: int, T: int, chunk_tiles: int, group_blocks: int) -> tuple:
+    """``(chunks, groups, blocks per group)`` of a (Rb, T) live grid (see :func:`_padded_grid`)."""
+    rg = group_blocks if 0 < group_blocks < Rb else max(1, Rb)
+    return -(-T // chunk_tiles), -(-Rb // rg), rg
 
 
 def live_lists(live_grid, chunk_tiles: int, group_blocks: int = 0) -> tuple:
@@ -157,15 +161,26 @@ def live_lists(live_grid, chunk_tiles: int, group_blocks: int = 0) -> tuple:
     - ``col_idx`` (groups, tiles, blocks per group) int32: per row group and tile, the group's row
       blocks (0 .. group_blocks - 1), the live ones first; ``col_cnt`` (groups, tiles): how many.
 
-    Row blocks and tiles beyond the grid (the last chunk's and group's padding) are dead."""
+    Row blocks and tiles beyond the grid (the last chunk's and group's padding) are dead. Within each
+    list the live entries and then the dead ones keep their order (a stable partition): two launches
+    of ``templates/live_lists.py.j2``, one prefix sum per list, in place of sorts."""
+    Rb, T = live_grid.shape
     cb = chunk_tiles
-    padded, G, rg, K = _padded_grid(live_grid, cb, group_blocks)
-    dead = (~padded).to(torch.uint8)  # (a stable sort of the dead flags puts the live entries first)
-    row_idx = torch.argsort(dead.view(G * rg, K, cb), dim=-1, stable=True).to(torch.int32).view(G * rg, K * cb)
-    row_cnt = padded.view(G * rg, K, cb).sum(-1, dtype=torch.int32)
-    col_idx = torch.argsort(dead.view(G, rg, K * cb).transpose(1, 2), dim=-1, stable=True).to(torch.int32)
-    col_cnt = padded.view(G, rg, K * cb).sum(1, dtype=torch.int32)
-    return row_idx.contiguous(), row_cnt, col_idx.contiguous(), col_cnt
+    K, G, rg = _padding(Rb, T, cb, group_blocks)
+    dev = live_grid.device
+    live = live_grid.contiguous().view(torch.uint8)
+    row_idx = torch.empty((G * rg, K * cb), dtype=torch.int32, device=dev)
+    row_cnt = torch.empty((G * rg, K), dtype=torch.int32, device=dev)
+    col_idx = torch.empty((G, K * cb, rg), dtype=torch.int32, device=dev)
+    col_cnt = torch.empty((G, K * cb), dtype=torch.int32, device=dev)
+    rows = load_utility("live_lists.py.j2", "cce_live_rows_kernel")
+    rows[(G * rg, K)](live, row_idx, row_cnt, Rb, T, K, cb, live.stride(0), BLOCK_T=triton.next_power_of_2(cb),
+                      num_warps=4)
+    block_t = max(1, min(64, 4096 // triton.next_power_of_2(rg)))  # (a block of at most 4096 flags)
+    cols = load_utility("live_lists.py.j2", "cce_live_cols_kernel")
+    cols[(G, triton.cdiv(K * cb, block_t))](live, col_idx, col_cnt, Rb, T, K * cb, rg, live.stride(0),
+                                            BLOCK_R=triton.next_power_of_2(rg), BLOCK_T=block_t, num_warps=4)
+    return row_idx, row_cnt, col_idx, col_cnt
 
 
 def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):
