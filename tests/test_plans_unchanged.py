@@ -109,13 +109,17 @@ def _zero_fixed_costs():
     return restore
 
 
-def call_trace() -> str:
+def call_trace(names=None) -> str:
+    """The trace of the cases ``names`` (all, in order, when None); each case starts afresh (the
+    classifier's memory cleared), so a case's trace is the same alone or in the sequence."""
     from cce_autotune import memory
     from cce_autotune.data import lm_like
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lines = []
     for name, spec in _cases().items():
+        if names is not None and name not in names:
+            continue
         memory.clear()
         spec = dict(spec)
         restore = _zero_fixed_costs() if spec.pop("costs", "zero") == "zero" else (lambda: None)
@@ -188,10 +192,12 @@ def _alike(text: str, want: str, rel: float = 1e-4) -> bool:
     return True
 
 
-def _compare(name: str, text: str) -> None:
+def _compare(name: str, text: str, section: str | None = None) -> None:
     path = GOLDEN / name
     assert path.is_file(), f"{path} missing: run python tests/test_plans_unchanged.py --write"
-    want = path.read_text()
+    want = path.read_text() if section is None else _section(path.read_text(), section)
+    if section is not None:
+        assert want, f"{path} holds no case {section!r}: run python tests/test_plans_unchanged.py --write"
     if text != want and not _alike(text, want):
         import difflib
 
@@ -206,11 +212,34 @@ def test_the_explain_grid_plans_as_recorded(monkeypatch):
     _compare("explain_grid.txt", explain_grid())
 
 
+def _section(text: str, name: str) -> str:
+    """Case ``name``'s lines of a call trace: from its first call's line to the next case's."""
+    out, inside = [], False
+    for line in text.splitlines(True):
+        if line.startswith("== ") and " call 0: " in line:
+            inside = line.startswith(f"== {name} call 0: ")
+        if inside:
+            out.append(line)
+    return "".join(out)
+
+
+CASE_NAMES = list(_cases())
+
+
+def test_the_recorded_call_trace_holds_every_case_in_order():
+    text = (GOLDEN / "call_trace.txt").read_text()
+    firsts = [line.split(" call 0: ")[0][3:] for line in text.splitlines() if line.startswith("== ") and " call 0: " in line]
+    assert firsts == CASE_NAMES
+    assert "".join(_section(text, name) for name in CASE_NAMES) == text
+
+
+# (one test per case, so that the suite's workers share them)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="recorded on the CPU interpreter (GPU rounding differs)")
-def test_a_sequence_of_calls_plans_and_computes_as_recorded(monkeypatch):
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_a_sequence_of_calls_plans_and_computes_as_recorded(monkeypatch, case):
     monkeypatch.setenv("CCE_AUTOTUNE_EXPLAIN", "all")
     monkeypatch.delenv("CCE_AUTOTUNE_MAX_EXTRA_MEMORY", raising=False)
-    _compare("call_trace.txt", call_trace())
+    _compare("call_trace.txt", call_trace([case]), section=case)
 
 
 if __name__ == "__main__":
