@@ -672,6 +672,7 @@ def plan_backward(p: CallProblem, variant, *, has_map: bool, live: float | None 
     )
 
 
+@lru_cache(maxsize=256)  # pure; asked for on every mapped call's backward, after its read-back
 def exact_cost(p: CallProblem, variant, budget: int | None, costs) -> float:
     """Estimated cost of the best backward that computes every tile (no map, natural order)."""
     natural = replace(p, sorted_vocab=False, map_bytes=0)
@@ -679,6 +680,7 @@ def exact_cost(p: CallProblem, variant, budget: int | None, costs) -> float:
                          exact=True).cost
 
 
+@lru_cache(maxsize=256)  # (pure, as exact_cost)
 def unfiltered_cost(p: CallProblem, variant, budget: int | None, costs, fused_allowed: bool) -> float:
     """Estimated forward + backward of the best plan that filters nothing: the forward and the
     exact backward, or a strategy that computes the gradients in the forward where it may run."""
