@@ -431,15 +431,17 @@ class _TileProducts:
     and row group j, one kernel whose programs form dE's part (a program per row block and slice of D,
     over the block's live tiles of the chunk) and dC's (a program per tile and slice of D, over the
     tile's live row blocks of the group). Slices of ``variant.out_block_d`` columns of D, steps of
-    :data:`PRODUCT_K` along the sum."""
+    :data:`PRODUCT_K` along the sum. The kernel and its lists are made at the first ``run``: after
+    the first chunk's gradient kernel is launched, so that the device starts on it while the host
+    builds them (after the backward's read-back, the device waits for the host's first launch)."""
 
     def __init__(self, variant, kernel_flags, live, chunk_w: int, row_group: int):
         bb, bv = variant.block_b, variant.block_v
-        self.kernel = load_kernel(variant, kernel_flags, name="cce_chunk_products_kernel")
+        self.variant, self.kernel_flags, self.live = variant, kernel_flags, live
+        self.kernel = None
         self.rg = row_group // bb if 0 < row_group < live.shape[0] * bb else live.shape[0]
         self.cb = -(-chunk_w // bv)  # tiles per chunk (whole tiles, or the one chunk of the vocabulary)
-        self.row_idx, self.row_cnt, self.col_idx, self.col_cnt = live_lists(live, self.cb, self.rg)
-        self.K = self.row_cnt.shape[1]  # chunks
+        self.K = -(-live.shape[1] // self.cb)  # chunks
         self.bb, self.bv, self.bdo = bb, bv, variant.out_block_d
         # (the probe's best on the H200 at 8192 x 4096: 4 warps and 4 stages for 128 columns of D)
         self.launch = dict(num_warps=4 if self.bdo <= 128 else 8, num_stages=4 if self.bdo <= 128 else 3)
@@ -452,6 +454,9 @@ class _TileProducts:
         reads it (or the chunk converted), ``perm``: the walked order (or None). Without ``de``, dC's
         part alone: for a chunk without a live tile in group j, it writes the chunk's rows of ``out``
         as zeros (reading nothing of ``g``)."""
+        if self.kernel is None:
+            self.kernel = load_kernel(self.variant, self.kernel_flags, name="cce_chunk_products_kernel")
+            self.row_idx, self.row_cnt, self.col_idx, self.col_cnt = live_lists(self.live, self.cb, self.rg)
         w, D = g.shape[1], e_rows.shape[1]
         n_d = triton.cdiv(D, self.bdo)
         n_de = triton.cdiv(n_rows, self.bb) * n_d if de else 0
