@@ -8,7 +8,9 @@ with the built-in default variants, in exact mode, without a memory budget (``cc
 and - when importable - Apple's
 ``cut-cross-entropy`` (CCE and exact) and ``liger-kernel``'s fused linear cross-entropy. For each it
 records forward and forward+backward median times (triton.testing.do_bench, which flushes L2 between
-repetitions), the device's busy time per call (``device_ms``, torch.profiler: the rest of a call's
+repetitions; the forward with gradients required, as a training step runs it: a plan that forms the
+gradients in the forward - Liger's, our fused strategy's, which a classifier whose tiles were found
+mostly live takes for its next calls - does that work in the "fw" row too), the device's busy time per call (``device_ms``, torch.profiler: the rest of a call's
 time is the host's — launches, Python, syncs), the peak extra memory, and loss/gradient errors
 against a float32 reference, and
 prints a table, writes a CSV and (with matplotlib) a PNG chart.
