@@ -186,8 +186,8 @@ def vocabulary_order(plan: CallPlan, call: Call, e, c, bias):
 class MapTargets:
     """Where the call's targets lie in the order the forward walked (its tile map's), for a backward
     launched from the map: ``pos`` (n,) int32, each row's target's position in that order; ``tile``
-    (n,) int64, the flat index of the (row block, tile) holding it in the live grid of (block_b x
-    block_v) tiles. Nothing here depends on what the backward's planning reads back, so the backward
+    (``(n,)`` int64 row blocks, ``(n,)`` int64 tiles), the (row block, tile) holding it in the live
+    grid of (block_b x block_v) tiles. Nothing here depends on what the backward's planning reads back, so the backward
     enqueues it first (:func:`map_targets`): the device runs it while it finishes the forward rather
     than after the read-back, while it would wait for the host."""
 
@@ -195,9 +195,7 @@ class MapTargets:
         self.perm = tile_map.perm
         self.pos = _positions(self.perm, call.targets)
         self.block_b, self.block_v = block_b, block_v
-        n_tiles = -(-call.V // block_v)
-        rows = torch.arange(self.pos.shape[0], device=self.pos.device)
-        self.tile = (rows // block_b) * n_tiles + self.pos.long() // block_v
+        self.tile = (torch.arange(self.pos.shape[0], device=self.pos.device) // block_b, self.pos.long() // block_v)
 
 
 def map_targets(plan: CallPlan | None, call: Call, tile_map) -> MapTargets | None:
@@ -251,7 +249,7 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
         # launched get theirs from outside (coefficient coef_out).
         if at_map is None or (at_map.block_b, at_map.block_v) != (variant.block_b, variant.block_v):
             at_map = MapTargets(call, tile_map, variant.block_b, variant.block_v)
-        coef_out = torch.where(plan.live.view(-1)[at_map.tile], 0.0, coef_t)
+        coef_out = torch.where(plan.live[at_map.tile], 0.0, coef_t)
     args = BackwardArgs(
         e=e, c=ck, bias=bias, rows=rows, target_pos=target_pos, targets=call.targets, lse=lse, coef_s=coef_s,
         coef_t=coef_t, coef_out=coef_out, perm=perm, softcap=call.softcap, filter_eps=plan.run_eps, variant=variant,
