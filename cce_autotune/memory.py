@@ -11,9 +11,12 @@ about it serves the next:
   calls, the dead-tile correction's direction when the filter needs it
   (:mod:`cce_autotune.planning.accuracy`), and a fingerprint of what it was measured on (the
   classifier's content and the call's rows) so that only calls like the one measured reuse it; a
-  few per classifier, for the several losses that may share one (an auxiliary head, distillation).
+  few per classifier, for the several losses that may share one (an auxiliary head, distillation);
+- the last mapped backward's measurements (its live shares and whether the dropped-mass guard and the
+  verdict's fingerprint held), perhaps still on their way to the host: the next backward of the same
+  shape plans on them instead of waiting for its own (opaque here: the planner makes and reads them).
 
-The orders and pauses are speed hints: any order gives exact results, a pause only filters less. A
+The orders, pauses and measurements are speed hints: any order gives exact results, a pause only filters less. A
 verdict changes what the backward computes, so the planner applies it only to a call whose
 fingerprint matches (:func:`cce_autotune.planning.planner.check_filter`).
 
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["MAX_ENTRIES", "MAX_VERDICTS", "Verdict", "classifier_key", "order", "remember_order", "pause", "take_pause",
-           "verdicts", "use_verdict", "remember_verdict", "clear"]
+           "verdicts", "use_verdict", "remember_verdict", "measured", "remember_measured", "clear"]
 
 MAX_ENTRIES = 8
 MAX_VERDICTS = 4  # per classifier (calls of different losses on one classifier each keep theirs)
@@ -55,6 +58,7 @@ class _Record:
     order: Any = None  # (V,) int32 permutation: the vocabulary by descending average logit
     pause_left: int = 0  # calls left that neither walk nor map
     verdicts: list = field(default_factory=list)  # Verdict, most recent last
+    measured: Any = None  # the last mapped backward's measurements (the planner's)
 
 
 _lock = threading.Lock()
@@ -138,6 +142,21 @@ def remember_verdict(c, verdict: Verdict) -> None:
         rec.verdicts = [v for v in rec.verdicts if v.calls > 0]
         rec.verdicts.append(verdict)
         del rec.verdicts[:-MAX_VERDICTS]
+
+
+def measured(c):
+    """The measurements last remembered for classifier ``c`` (:func:`remember_measured`), or None."""
+    with _lock:
+        rec = _record(c, create=False)
+        return None if rec is None else rec.measured
+
+
+def remember_measured(c, m) -> None:
+    """Keep ``m`` (None: forget) as the last mapped backward's measurements of classifier ``c``."""
+    with _lock:
+        rec = _record(c, create=m is not None)
+        if rec is not None:
+            rec.measured = m
 
 
 def clear() -> None:

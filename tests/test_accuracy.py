@@ -545,3 +545,86 @@ def test_the_check_bounds_the_whole_calls_error_not_the_samples():
         for z in misses:
             misses[z] += accuracy._bound(a_all[None, idx], w_all[idx], z).item() < truth
     assert misses[0.0] > 90 and misses[CONFIDENCE] < misses[0.0] / 2, misses
+
+
+def test_a_call_like_the_previous_one_reads_nothing_back(device, monkeypatch, set_costs, planned):
+    # A training loop's steady state: the call reuses the classifier's verdict, and its backward is
+    # planned on the previous call's measurements (copied to the host without a wait), so it reads
+    # nothing back; its gradients are those of the same call planned on its own. Rows whose fingerprint
+    # does not match the verdict's (other rows in the same storage) are caught on the device: every
+    # tile live, exact gradients, and the next call measures and checks afresh.
+    e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=2.0, seed=5, device=device)
+    flat, _, _, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.0, seed=6, device=device)
+    monkeypatch.setattr(filters, "MAX_ERROR", 1.0)  # every filter passes: the verdict is the call's own
+    set_costs(max_dropped=math.inf, pause_share=math.inf, tile_products=0.0)
+    prime_order(c, e, "sorted")
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked"))
+    real_plan, real_values = planner.plan_gradients, planner.Measurement.values
+    reads, landing = [], []
+
+    def counting(*a, **k):
+        reads.append(0)
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item", "nonzero", "__float__", "__bool__", "__int__"):
+                def read(self, *x, _real=getattr(torch.Tensor, name), **y):
+                    reads[-1] += not landing  # (the previous call's copy, landed: read on the host)
+                    return _real(self, *x, **y)
+                m.setattr(torch.Tensor, name, read)
+            return real_plan(*a, **k)
+
+    def values(self):
+        landing.append(1)
+        try:
+            return real_values(self)
+        finally:
+            landing.pop()
+
+    monkeypatch.setattr(planner, "plan_gradients", counting)
+    monkeypatch.setattr(planner.Measurement, "values", values)
+    ee = e.clone().requires_grad_()  # (one storage for the rows, as a training loop's allocator gives)
+    grads, unread = [], []
+    for i in range(6):
+        if i == 3:
+            memory.remember_measured(c, None)  # this call reads its measurements back
+        if i == 4:
+            ee.data.copy_(flat)  # other rows at the same storage
+        ee.grad = None
+        linear_cross_entropy(ee, c, t, impl="triton", variants=kv).backward()
+        plan = planned[-1].call
+        assert plan.backward.use_map and plan.backward.tile_products and plan.run_eps == 2.0**-6
+        unread.append("nothing read back" in plan.backward.reason)
+        grads.append(ee.grad.clone())
+        if i == 5:
+            assert plan.checked  # the fingerprint failed on the device: checked afresh
+    # The check's call, then the first call with a verdict's measurements, then the steady state.
+    assert unread == [False, False, True, False, True, False], unread
+    assert reads[2] == reads[4] == 0 and reads[1] >= 1 and reads[3] >= 1, reads
+    torch.testing.assert_close(grads[2], grads[3], rtol=1e-6, atol=1e-9)
+    ee.grad = None
+    linear_cross_entropy(ee, c, t, impl="triton", variants=kv, filter_eps=None).backward()
+    assert rel_err(grads[4], ee.grad) < 1e-5  # every tile live: exact
+    assert rel_err(grads[5], ee.grad) > 1e-5  # the new verdict's filter skips tiles again
+
+
+@pytest.mark.gpu
+def test_a_steady_default_call_makes_no_host_sync(monkeypatch, set_costs, planned):
+    # On the GPU: once a classifier's verdict and measurements are in place, a whole fw+bw call of the
+    # default path waits for the device nowhere (torch's sync debug mode raises at any sync).
+    e, c, t, _ = make_inputs((512,), 4096, 64, torch.bfloat16, peaked=2.0, seed=5, device="cuda")
+    monkeypatch.setattr(filters, "MAX_ERROR", 1.0)
+    set_costs(max_dropped=math.inf, pause_share=math.inf, tile_products=0.0)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked"))
+    ee = e.clone().requires_grad_()
+    for _ in range(4):
+        ee.grad = None
+        linear_cross_entropy(ee, c, t, variants=kv).backward()
+    torch.cuda.synchronize()
+    assert "nothing read back" in planned[-1].call.backward.reason
+    ee.grad = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        linear_cross_entropy(ee, c, t, variants=kv).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert "nothing read back" in planned[-1].call.backward.reason
+    assert torch.isfinite(ee.grad.float()).all()

@@ -40,7 +40,7 @@ from . import accuracy, explain, filters
 from .budget import memory_budget
 
 __all__ = ["choose_impl", "plan_call", "plan_forward", "plan_gradients", "plan_backward", "plan_fused",
-           "fused_allowed", "records_map", "call_budget", "with_forward_tiles", "check_filter", "fingerprint", "fingerprint_tensor", "decide", "Decision", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
+           "fused_allowed", "records_map", "call_budget", "with_forward_tiles", "check_filter", "fingerprint", "fingerprint_tensor", "decide", "decide_unread", "Decision", "Measurement", "Fingerprint", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
 
 
 # -- 1. the call ----------------------------------------------------------------------------------
@@ -304,19 +304,29 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
         seen = None
         likely = _likely_verdict(ev, eps, correctable) if filters.MAX_ERROR < float("inf") else None
         if likely is not None:
-            # The classifier's last verdict will most likely be reused: the backward is decided at its
-            # filter, and this call's fingerprint rides on the same host copy; if it does not match,
-            # the verdicts are looked at again with it (and the call checked) before deciding again.
+            # The classifier's last verdict will most likely be reused. Where the previous call's
+            # measurements can plan this one, nothing is read back (the fingerprint is compared on
+            # the device: see decide_unread). Else the backward is decided at the verdict's filter, and
+            # this call's fingerprint rides on the same host copy; if it does not match, the verdicts
+            # are looked at again with it (and the call checked) before deciding again.
             verdict, at = likely
-            decided = decide(p, bw, at, tmap, ev.lse, budget=budget, costs=costs, fused_allowed=fused_allowed,
-                             deterministic=plan.deterministic, why=_measured(plan.filter_eps, at, verdict.direction),
-                             correction=verdict.direction is not None, extra=fingerprint_tensor(ev, costs.check_rows))
-            seen = _fingerprint_values(decided.extra)
-            if _alike(verdict.fingerprint, seen):
+            why = _measured(plan.filter_eps, at, verdict.direction)
+            decided = decide_unread(p, bw, at, ev, verdict, budget=budget, costs=costs,
+                                    fused_allowed=fused_allowed, deterministic=plan.deterministic, why=why,
+                                    correction=verdict.direction is not None)
+            if decided is None:
+                now = fingerprint_tensor(ev, costs.check_rows)
+                decided = decide(p, bw, at, tmap, ev.lse, budget=budget, costs=costs, fused_allowed=fused_allowed,
+                                 deterministic=plan.deterministic, why=why, correction=verdict.direction is not None,
+                                 extra=now, e=ev.e)
+                seen = _fingerprint_values(decided.extra, now)
+                if not _alike(verdict.fingerprint, seen):
+                    decided = None
+                else:
+                    decided = decided._replace(measured=decided.measured and decided.measured.under(verdict))
+            if decided is not None:
                 memory.use_verdict(c, verdict)
                 eps, direction = at, verdict.direction
-            else:
-                decided = None
         if decided is None:
             weighed: dict = {}  # (filter, corrected) -> its Decision: the winner is not decided again
 
@@ -345,6 +355,8 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
         decided = decide(p, bw, eps, tmap, ev.lse, budget=budget, costs=costs, fused_allowed=fused_allowed,
                          deterministic=plan.deterministic, why=measured, correction=direction is not None)
     chosen, live, blocks, pause, reported, columns = decided[:6]
+    if ev.shards is None:  # (what this call measured plans the classifier's next one: see decide_unread)
+        memory.remember_measured(c, decided.measured)
     measured_exact = can_check and eps is None  # the check's verdict: exact
     if can_check and not _agreed(ev.shards, [not pause])[0] and not pause:
         # Another shard found that filtering cannot pay and runs exact: so does this one (its dropped
@@ -445,19 +457,30 @@ ROWS_DRIFT = 0.25  # of the rows' mean's projections
 LOSS_DRIFT = 0.2  # and of the rows' mean loss (relative, at least 0.2 nats)
 
 
-def fingerprint(ev: Evidence, sample: int) -> tuple:
+class Fingerprint(NamedTuple):
+    """A :func:`fingerprint`: its three parts on the host, and ``values``, :func:`fingerprint_tensor`'s
+    device tensor they came from (what a call that reads nothing back compares its own with)."""
+
+    classifier: tuple
+    rows: tuple
+    loss: float
+    values: Any = None
+
+
+def fingerprint(ev: Evidence, sample: int) -> Fingerprint:
     """What a verdict is measured on, in one host copy: ``(classifier, rows, loss)``. ``classifier``:
     16 spread rows of the classifier, each projected on a fixed random direction (its content, which
     moves little from one training step to the next); ``rows``: the mean of the check's sampled rows
     (the rows with a gradient) projected on 16 fixed random directions; ``loss``: their mean loss
     (LSE minus the target logit), which tells apart another loss's targets on the same rows."""
-    return _fingerprint_values(fingerprint_tensor(ev, sample).tolist())
+    values = fingerprint_tensor(ev, sample)
+    return _fingerprint_values(values.tolist(), values)
 
 
-def _fingerprint_values(host: list) -> tuple:
-    """:func:`fingerprint` from the host values of :func:`fingerprint_tensor`."""
+def _fingerprint_values(host: list, values=None) -> Fingerprint:
+    """:func:`fingerprint` from the host values of :func:`fingerprint_tensor` (``values``)."""
     k = len(host) - PROBES - 1
-    return tuple(host[:k]), tuple(host[k:k + PROBES]), host[-1]
+    return Fingerprint(tuple(host[:k]), tuple(host[k:k + PROBES]), host[-1], values)
 
 
 def fingerprint_tensor(ev: Evidence, sample: int):
@@ -494,11 +517,27 @@ def _drift(a, b) -> float:
     return sum((x - y) ** 2 for x, y in zip(a, b)) ** 0.5 / max(sum(x * x for x in a) ** 0.5, 1e-30)
 
 
-def _alike(then, now) -> bool:
+def _alike(then: Fingerprint, now: Fingerprint) -> bool:
     """Whether a call with fingerprint ``now`` may reuse a verdict measured with ``then``."""
-    (c0, r0, l0), (c1, r1, l1) = then, now
+    (c0, r0, l0), (c1, r1, l1) = then[:3], now[:3]
     return (_drift(c0, c1) <= CLASSIFIER_DRIFT and _drift(r0, r1) <= ROWS_DRIFT
             and abs(l0 - l1) <= LOSS_DRIFT * max(abs(l0), abs(l1), 1.0))
+
+
+def _alike_on_device(then: Fingerprint, now):
+    """:func:`_alike` on the device, against ``now`` (:func:`fingerprint_tensor`'s values): a 0-d bool
+    tensor (False where ``then`` has no device values)."""
+    if then.values is None or then.values.shape != now.shape or then.values.device != now.device:
+        return torch.zeros((), dtype=torch.bool, device=now.device)
+    k = len(then.classifier)
+    a, b = then.values.double(), now.double()
+    d = b - a
+
+    def drift(sl):
+        return d[sl].norm() / a[sl].norm().clamp_min(1e-30)
+
+    loss = d[-1].abs() <= LOSS_DRIFT * torch.maximum(a[-1].abs(), b[-1].abs()).clamp_min(1.0)
+    return (drift(slice(0, k)) <= CLASSIFIER_DRIFT) & (drift(slice(k, k + PROBES)) <= ROWS_DRIFT) & loss
 
 
 class Decision(NamedTuple):
@@ -512,6 +551,7 @@ class Decision(NamedTuple):
     columns: Any  # the live tiles of each tile column (host ints), or None
     extra: Any = None  # the host values of ``extra``, or None
     lossy: bool = False  # even the smallest filter dropped too much: the exact plan, whatever ``why`` says
+    measured: Any = None  # what the copy brought at the asked filter (a Measurement), or None
 
     def explained(self, why: str | None) -> "Decision":
         """This decision with ``why`` (how the check chose the filter) before its plan's reason, as
@@ -525,7 +565,7 @@ class Decision(NamedTuple):
 
 def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | None, costs,
            fused_allowed: bool = False, deterministic: bool = False, why: str | None = None,
-           correction: bool = False, extra=None) -> Decision:
+           correction: bool = False, extra=None, e=None) -> Decision:
     """``(plan, live, blocks, pause, checked, columns, extra)`` of a call's backward, measured.
 
     With the forward's ``tile_map`` (and filtering), the live grid is built on the device, each
@@ -540,25 +580,19 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
     accuracy check chose ``filter_eps``, put before the plan's reason; ``correction``: a filtering
     plan must take the dead-tile correction. ``checked``: the text the plan is reported with.
     ``extra``: a 1-d device tensor the caller wants on the host too; it rides on the same copy (or,
-    without a map, a copy of its own), and its values come back as ``extra``."""
+    without a map, a copy of its own), and its values come back as ``extra``. ``measured``: what the
+    copy brought at ``filter_eps`` itself where the guard let it run (a :class:`Measurement` of rows
+    ``e``, for the classifier's next call), else None."""
     exact = filter_eps is None
-    live = columns = extra_host = None
-    share = None
-    block_lists: dict = {}
-    block_shares: dict = {}
+    live = extra_host = measured = None
+    shares = Shares()
     eps, lossy = filter_eps, None
     if extra is not None and (tile_map is None or exact or p.n == 0):
         extra_host, extra = extra.tolist(), None
     if tile_map is not None and not exact and p.n > 0:
-        ctx = PlanContext(problem=p, variant=variant, costs=costs, budget=budget, use_map=True, live=1.0,
-                          live_blocks=1.0, n_live=0, fixed=0.0, exact=False)
         for eps in filters.ladder(filter_eps, filters.GUARD_RUNGS):
-            live = live_grid(tile_map, lse, eps, p.V, variant.block_b, variant.block_v)
-            grids = [(s.name, g) for s in strategies.all_strategies() if (g := s.blocks(live, ctx)) is not None]
-            dropped = dropped_share(tile_map, lse, eps)
-            host = torch.cat([dropped.view(1).double(), live.sum(0).double(),
-                              *(g.double() for _, g in grids),
-                              *((extra.double(),) if extra is not None else ())]).tolist()  # one copy
+            live, layout, values = _measure(p, variant, eps, tile_map, lse, budget, costs)
+            host = torch.cat([values, *((extra.double(),) if extra is not None else ())]).tolist()  # one copy
             if extra is not None:
                 extra_host, host = host[len(host) - extra.numel():], host[:len(host) - extra.numel()]
                 extra = None  # (the first rung's copy brought it)
@@ -566,26 +600,130 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
                 break
         else:
             lossy = host[0]
-        # (map, not a comprehension: the host's time after the copy is time the device waits)
-        columns = list(map(int, host[1:1 + live.shape[1]]))
-        share = sum(columns) / max(1, live.numel())
-        at = 1 + live.shape[1]
-        for name, g in grids:
-            flags = list(map(bool, host[at:at + g.numel()]))
-            at += g.numel()
-            block_lists[name] = flags
-            block_shares[name] = sum(flags) / max(1, len(flags))
-    # A backward that filters nothing walks the natural order (no sorted chunks of C to gather): it is
-    # planned, and its memory counted, as such.
-    natural = replace(p, sorted_vocab=False)
+        shares = layout.read(host)
+        if eps == filter_eps and lossy is None and e is not None:
+            measured = Measurement(_measure_key(p, variant, eps, budget, costs, e), layout, host)
     if lossy is not None:  # even the smallest filter drops too much of this call's gradient: exact
-        plan = plan_backward(natural, variant, has_map=False, budget=budget, costs=costs, exact=True,
-                             deterministic=deterministic)
+        plan = plan_backward(replace(p, sorted_vocab=False), variant, has_map=False, budget=budget, costs=costs,
+                             exact=True, deterministic=deterministic)
         plan = replace(plan, reason=f"filtering would drop {lossy:.1e} of the gradient's mass even at filter_eps "
                                     f"{eps:.2g} (at most {costs.max_dropped:g}): exact; " + plan.reason)
         return Decision(plan, None, None, True, "", None, extra_host, lossy=True)
-    plan = plan_backward(natural if exact else p, variant, has_map=tile_map is not None, live=share,
-                         live_blocks=block_shares, budget=budget, costs=costs, exact=exact, deterministic=deterministic,
+    out = _settle(p, variant, filter_eps, eps, tile_map is not None, shares, budget=budget, costs=costs,
+                  fused_allowed=fused_allowed, deterministic=deterministic, correction=correction)
+    out = out._replace(extra=extra_host, measured=measured)
+    if out.plan.use_map:
+        out = out._replace(live=live)
+    return out.explained(why)
+
+
+class Shares(NamedTuple):
+    """What a backward's measurements say, on the host: the live tiles of each tile column
+    (``columns``), their share of the grid (``live``), and for each strategy that skips blocks its
+    list of live blocks (``lists``) and their share (``blocks``); empty without a map."""
+
+    columns: Any = None
+    live: float | None = None
+    lists: dict = {}
+    blocks: dict = {}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each measurement lies in a backward's one copy (see :func:`_measure`): the dropped
+    share, the live tiles of each of ``tiles`` tile columns (of a grid of ``rows`` row blocks), then
+    each strategy's live blocks (``grids``: (name, how many))."""
+
+    tiles: int
+    rows: int
+    grids: tuple
+
+    def read(self, host: list) -> Shares:
+        # (map, not a comprehension: the host's time after the copy is time the device waits)
+        columns = list(map(int, host[1:1 + self.tiles]))
+        lists, shares = {}, {}
+        at = 1 + self.tiles
+        for name, k in self.grids:
+            flags = list(map(bool, host[at:at + k]))
+            at += k
+            lists[name] = flags
+            shares[name] = sum(flags) / max(1, k)
+        return Shares(columns, sum(columns) / max(1, self.tiles * self.rows), lists, shares)
+
+
+def _measure(p: CallProblem, variant, eps: float, tile_map, lse, budget, costs) -> tuple:
+    """``(live, layout, values)``: the (row blocks, tiles) live grid at ``eps`` and, as one 1-d fp64
+    device tensor laid out as ``layout`` says, the share of the gradient's mass the filter drops,
+    the live tiles of each tile column and each strategy's live blocks (nothing read back here)."""
+    ctx = PlanContext(problem=p, variant=variant, costs=costs, budget=budget, use_map=True, live=1.0,
+                      live_blocks=1.0, n_live=0, fixed=0.0, exact=False)
+    live = live_grid(tile_map, lse, eps, p.V, variant.block_b, variant.block_v)
+    grids = [(s.name, g) for s in strategies.all_strategies() if (g := s.blocks(live, ctx)) is not None]
+    dropped = dropped_share(tile_map, lse, eps)
+    values = torch.cat([dropped.view(1).double(), live.sum(0).double(), *(g.double() for _, g in grids)])
+    layout = _Layout(live.shape[1], live.shape[0], tuple((name, g.numel()) for name, g in grids))
+    return live, layout, values
+
+
+def _measure_key(p: CallProblem, variant, eps: float, budget, costs, e) -> tuple:
+    """What a backward's measurements depend on: another call with the same key measures the same
+    grids (the live shares can differ). ``e``'s address tells the losses on one classifier apart (an
+    auxiliary head's rows, another loss's): a training loop's allocator usually gives a loss's rows
+    the same storage at every step; where it does not, the call reads its measurements back."""
+    return (p, variant, eps, budget, costs, e.data_ptr())
+
+
+class Measurement:
+    """A mapped backward's measurements (:func:`_measure`) at its filter, kept for the classifier's
+    next call (:func:`cce_autotune.memory.remember_measured`): ``key`` (:func:`_measure_key`),
+    ``layout``; the values as the host has them, or, for a backward that read nothing back, a copy on
+    its way to pinned host memory and the event that says it landed. Its last value says whether the
+    call's dropped-mass guard and verdict held (a backward that read its measurements back ran only
+    if they did)."""
+
+    def __init__(self, key: tuple, layout: _Layout, host: list | None = None, values=None, verdict=None):
+        self.key, self.layout, self.verdict = key, layout, verdict
+        self._host = None if host is None else [*host, 1.0]
+        self._copy = self._event = None
+        if values is not None and values.is_cuda:
+            self._copy = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._copy.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        elif values is not None:
+            self._copy = values
+
+    def values(self) -> list:
+        """The values on the host (waiting for a copy still on its way: it was enqueued by an earlier
+        call, so the device is past it unless the host runs more than a call ahead)."""
+        if self._host is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._host = self._copy.tolist()
+            self._copy = self._event = None
+        return self._host
+
+    def under(self, verdict) -> "Measurement":
+        """This measurement, of a call that reused ``verdict``."""
+        self.verdict = verdict
+        return self
+
+    def held(self, costs) -> bool:
+        """Whether the measured call's guard and verdict held (its live shares can plan another call)."""
+        host = self.values()
+        return host[-1] > 0.5 and host[0] <= costs.max_dropped
+
+
+def _settle(p: CallProblem, variant, filter_eps, eps, has_map: bool, shares: Shares, *, budget, costs,
+            fused_allowed: bool, deterministic: bool, correction: bool) -> Decision:
+    """:func:`decide`'s plan from the measured ``shares`` at filter ``eps`` (lowered from ``filter_eps``
+    by the guard, or equal): the strategy, its sizes, the pause; the live grid is the caller's."""
+    exact = filter_eps is None
+    # A backward that filters nothing walks the natural order (no sorted chunks of C to gather): it is
+    # planned, and its memory counted, as such.
+    natural = replace(p, sorted_vocab=False)
+    plan = plan_backward(natural if exact else p, variant, has_map=has_map, live=shares.live,
+                         live_blocks=shares.blocks, budget=budget, costs=costs, exact=exact, deterministic=deterministic,
                          correction=correction)
     if eps != filter_eps:
         plan = replace(plan, filter_eps=eps, reason=f"filter_eps lowered to {eps:.2g} (at {filter_eps:.2g} the filter "
@@ -599,12 +737,44 @@ def decide(p: CallProblem, variant, filter_eps, tile_map, lse, *, budget: int | 
         if pause:  # this call too: the map showed that filtering would save nothing, and cost accuracy
             plan = plan_backward(natural, variant, has_map=False, budget=budget, costs=costs, exact=True,
                                  deterministic=deterministic)
-            plan = replace(plan, reason=f"filtering cannot pay (live tiles {share:.1%}): exact; " + plan.reason)
+            plan = replace(plan, reason=f"filtering cannot pay (live tiles {shares.live:.1%}): exact; " + plan.reason)
     if not plan.use_map:
-        live, blocks, columns = None, None, None
-    else:
-        blocks = block_lists.get(plan.strategy)
-    return Decision(plan, live, blocks, pause, "", columns, extra_host).explained(why)
+        return Decision(plan, None, None, pause, "", None)
+    return Decision(plan, None, shares.lists.get(plan.strategy), pause, "", shares.columns)
+
+
+def decide_unread(p: CallProblem, variant, eps: float, ev: Evidence, verdict, *, budget: int | None, costs,
+                  fused_allowed: bool = False, deterministic: bool = False, why: str | None = None,
+                  correction: bool = False) -> Decision | None:
+    """:func:`decide` with nothing read back, for a call that reuses ``verdict`` (its filter ``eps``),
+    or None where it cannot be: the backward is planned on the classifier's previous call's
+    measurements (of the same shape, variant, filter and rows' storage, under the same verdict, whose
+    guard and fingerprint held), where that plan runs from the device's live grid alone (:meth:`Strategy.unlisted
+    <cce_autotune.strategies.base.Strategy.unlisted>`; or is the pause's exact plan). This call's own
+    measurements go to the host without a wait (``measured``: for the next call); where its dropped-mass guard or
+    its fingerprint fails, every tile of its live grid is made live on the device (the gradients are
+    then exact) and the next call measures and checks afresh."""
+    c = ev.c
+    if ev.shards is not None or ev.tile_map is None or p.n == 0:
+        return None
+    key = _measure_key(p, variant, eps, budget, costs, ev.e)
+    prev = memory.measured(c)
+    if prev is None or prev.key != key or prev.verdict is not verdict or not prev.held(costs):
+        return None
+    out = _settle(p, variant, eps, eps, True, prev.layout.read(prev.values()), budget=budget, costs=costs,
+                  fused_allowed=fused_allowed, deterministic=deterministic, correction=correction)
+    if out.plan.use_map and not strategies.get(out.plan.strategy).unlisted(out.plan):
+        return None
+    reason = "planned on the previous call's live shares (nothing read back); "
+    out = out._replace(plan=replace(out.plan, reason=reason + out.plan.reason), blocks=None, columns=None)
+    if out.plan.use_map:
+        live, layout, values = _measure(p, variant, eps, ev.tile_map, ev.lse, budget, costs)
+        now = fingerprint_tensor(ev, costs.check_rows)
+        held = (values[0] <= costs.max_dropped) & _alike_on_device(verdict.fingerprint, now)
+        live.logical_or_(~held)  # (the guard or the fingerprint failed: every tile live, exact gradients)
+        out = out._replace(live=live, measured=Measurement(key, layout, values=torch.cat([values, held.double().view(1)]),
+                                                           verdict=verdict))
+    return out.explained(why)
 
 
 # -- the choice of a strategy --------------------------------------------------------------------

@@ -129,6 +129,14 @@ class Strategy:
         ``live`` of the tiles is live, spread at random (``cce-tune explain``'s estimate)."""
         return None
 
+    def unlisted(self, plan) -> bool:
+        """Whether ``plan`` (a mapped :class:`~cce_autotune.plans.BackwardPlan` of this strategy) runs
+        from the device's live grid alone, as fast as with the host's lists (``args.blocks`` and
+        ``args.columns`` None): its launches are sized for every block and its programs skip the dead
+        ones on the device. The planner may then plan the call on the previous call's measurements,
+        with nothing read back."""
+        return False
+
     # -- running -------------------------------------------------------------------------------
     def run(self, args: "BackwardArgs", plan) -> tuple:
         """``(dE, dC, dbias)`` as ``plan`` (a :class:`~cce_autotune.plans.BackwardPlan`) says."""

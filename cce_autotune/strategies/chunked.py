@@ -268,6 +268,11 @@ class Chunked(Strategy):
         per_chunk = max(1, w // v.block_v) * -(-(rg or ctx.problem.n) // v.block_b)
         return 1.0 - (1.0 - live) ** per_chunk
 
+    def unlisted(self, plan) -> bool:
+        # With tile products, a chunk without a live tile costs two launches whose programs find
+        # nothing live (dC's write the chunk's zeros, as they do for a chunk the host skips).
+        return plan.tile_products
+
     def run(self, args: BackwardArgs, plan) -> tuple:
         """For each vocabulary chunk of ``plan.chunk_v`` columns, and each group of ``plan.row_group``
         rows (all rows when 0), that holds a live tile (every block without a map), a kernel writes
