@@ -208,3 +208,40 @@ def test_options_encoded_once_are_still_checked_by_type():
         api._encode_options(reduction="avg")
     text = api._encode_options(variants=KernelVariants().to_dict())  # (a dict: not kept, checked each time)
     assert '"variants": {' in text
+
+
+@pytest.mark.parametrize("dtype, strided, weighted, shift", [(torch.int64, False, False, 0), (torch.int32, True, True, 1),
+                                                             (torch.int64, True, True, 0), (torch.uint8, False, True, 1)])
+def test_the_targets_kernel_prepares_what_the_pytorch_path_does(dtype, strided, weighted, shift, device):
+    # The kernels' path prepares a call's targets in one launch (strategies.forward.prepare_targets):
+    # the same positions taking part, targets, weights (a NaN weight at an ignored position stays out)
+    # and out-of-range flags as the PyTorch path's element-wise ops, over several blocks, with the
+    # first bad position and its target for the range check.
+    from cce_autotune.options import Options
+    from cce_autotune.runtime.call import prepare
+    from cce_autotune.strategies.forward import TARGETS_BLOCK
+
+    g = torch.Generator().manual_seed(3)
+    B, T, Vs, D = 2, TARGETS_BLOCK + 300, 20, 8
+    low = 0 if dtype == torch.uint8 else -120
+    t = torch.randint(low, 30, (B, 2 * T if strided else T), generator=g).to(dtype)
+    if dtype != torch.uint8:
+        t[t < -60] = -100  # ignored
+    t = t[:, ::2] if strided else t
+    tw = torch.rand(B, 2 * T, generator=g)[:, ::2] if strided else torch.rand(B, T, generator=g)
+    tw[t == -100] = float("nan")
+    e = torch.zeros(B, T, D)
+    c = torch.zeros(Vs, D)
+    o = Options.check(ignore_index=-100, shift=shift)
+    t, tw, e, c = (x.to(device) for x in (t, tw, e, c))
+    ours = prepare(e, c, t, None, tw if weighted else None, o, "triton")
+    ref = prepare(e, c, t, None, tw if weighted else None, o, "torch")
+    for name in ("valid", "out_of_range", "targets", "weights"):
+        a, b = getattr(ours, name), getattr(ref, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert ours.out_of_range.any() and ours.valid.any()
+    assert ours.valid.all() == (dtype == torch.uint8)  # (uint8 holds no -100: nothing ignored)
+    first, value = min(ours.firsts.tolist())
+    bad = ours.out_of_range.nonzero().view(-1)
+    assert (first, value) == ((int(bad[0]), int(ref.raw_targets[bad[0]])) if bad.numel() else (ours.n_rows, 0))
+    assert ours.firsts.shape[0] == -(-ours.n_rows // TARGETS_BLOCK)

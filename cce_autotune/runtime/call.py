@@ -20,6 +20,7 @@ import torch
 
 from ..options import Options
 from ..plans import CallProblem
+from ..strategies import forward as fwd
 from ..strategies.common import RowLayout
 
 __all__ = ["Call", "prepare", "pred_shape", "raise_landed_checks", "rows_flatten"]
@@ -41,6 +42,7 @@ class Call:
     raw_targets: torch.Tensor  # (n,) the targets as given (for the range check)
     V: int
     has_token_weights: bool = False
+    firsts: torch.Tensor | None = None  # kernels' path: each block's first position out of range and its target
     _denominator: torch.Tensor | None = field(default=None, repr=False)
     _unit_coef: torch.Tensor | None = field(default=None, repr=False)
 
@@ -72,16 +74,19 @@ class Call:
             return
         if torch.cuda.is_current_stream_capturing():
             return
-        # The first bad row (row 0 when none): whether it is bad, and its target. (gather, not t[index]:
-        # indexing with a 0-d tensor reads the index back, a sync per call.)
-        first = bad.view(torch.uint8).argmax().view(1)
-        found = torch.cat([bad.gather(0, first).long(), t.gather(0, first).long()])
-        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        # Each block's first bad position (n where none) and its target, as the targets kernel found
+        # them (the PyTorch path: the first bad row's, row 0 when none; gather, not t[index]: indexing
+        # with a 0-d tensor reads the index back, a sync per call).
+        found = self.firsts
+        if found is None:
+            first = bad.view(torch.uint8).argmax().view(1)
+            found = torch.stack([torch.where(bad.gather(0, first), first, self.n_rows), t.gather(0, first).long()], 1)
+        host = torch.empty(found.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(found, non_blocking=True)
         landed = torch.cuda.Event()
         landed.record()
         with _pending_lock:
-            _pending.append((landed, host, self.V, self.options.ignore_index))
+            _pending.append((landed, host, self.V, self.options.ignore_index, self.n_rows))
 
     def denominator(self) -> torch.Tensor:
         """What "mean" divides by: the summed weights of the non-ignored positions (their count
@@ -130,7 +135,8 @@ class Call:
         )
 
 
-_pending: list = []  # (event, pinned host copy of (found, value), V, ignore_index) of GPU range checks in flight
+_pending: list = []  # (event, pinned host copy of (first bad position or n, its target) pairs, V, ignore_index, n)
+# of GPU range checks in flight
 _pending_lock = threading.Lock()
 
 
@@ -147,9 +153,9 @@ def raise_landed_checks() -> None:
         landed = [x for x in _pending if x[0].query()]
         for x in landed:
             _pending.remove(x)
-    for _, host, V, ignore_index in landed:
-        found, value = host.tolist()
-        if found:
+    for _, host, V, ignore_index, n in landed:
+        first, value = min(host.tolist())
+        if first < n:
             raise ValueError(_out_of_range_message(value, V, ignore_index) + " (found by a GPU check without a host "
                              "sync: in this call or an earlier one of this process; that call's loss was NaN)")
 
@@ -168,22 +174,26 @@ def prepare(e, c, targets, bias, token_weights, o: Options, impl: str, V: int | 
     T = batch[-1]
     shape = pred_shape(batch, o.shift)
     raw = targets.narrow(-1, o.shift, T - o.shift).reshape(-1)
-    valid = raw.long() != o.ignore_index
-    out_of_range = valid & ((raw < 0) | (raw >= V))
-    # A position whose target is out of range (an error, raised by check_targets) has no gradient.
-    takes_part = valid & ~out_of_range
-    tgt = torch.where(takes_part, raw, 0).to(torch.int64)
-    weights = takes_part.float()
-    if token_weights is not None:
+    tw = token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1) if token_weights is not None else None
+    firsts = None
+    if impl == "triton":  # (one launch: about a dozen element-wise ops' host time otherwise)
+        valid, out_of_range, tgt, weights, firsts = fwd.prepare_targets(raw, tw, o.ignore_index, V)
+    else:
+        valid = raw.long() != o.ignore_index
+        out_of_range = valid & ((raw < 0) | (raw >= V))
+        # A position whose target is out of range (an error, raised by check_targets) has no gradient.
+        takes_part = valid & ~out_of_range
+        tgt = torch.where(takes_part, raw, 0).to(torch.int64)
         # A select: the weight of an ignored position (NaN or inf where a padding sequence's weights
         # are 1/0) never reaches the loss or the gradients.
-        weights = torch.where(takes_part, token_weights.narrow(-1, o.shift, T - o.shift).reshape(-1).float(), 0.0)
+        weights = takes_part.float() if tw is None else torch.where(takes_part, tw.float(), 0.0)
     # Row of each prediction in e.reshape(-1, D).
     row_strides = _contiguous_strides(batch)
     rows = _grid_offsets(shape, row_strides, dev)
     layout = _row_layout(e, shape, row_strides) if impl == "triton" else None
     return Call(impl=impl, options=o, pred_shape=shape, valid=valid, weights=weights, rows=rows, layout=layout,
-                targets=tgt, out_of_range=out_of_range, raw_targets=raw, V=V, has_token_weights=token_weights is not None)
+                targets=tgt, out_of_range=out_of_range, raw_targets=raw, V=V, has_token_weights=token_weights is not None,
+                firsts=firsts)
 
 
 _OFFSETS: dict = {}  # (shape, strides, device, stream) -> the offsets: the same tensor for every call of a shape

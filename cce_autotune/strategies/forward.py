@@ -1,16 +1,43 @@
-"""The forward's kernels: the target logits (indexed dot), the blockwise log-sum-exp with the tile
-map it records, and the classifier converted to e's dtype. Every strategy but the fused one runs
+"""The forward's kernels: the call's targets (which positions take part), the target logits (indexed
+dot), the blockwise log-sum-exp with the tile map it records, and the classifier converted to e's dtype. Every strategy but the fused one runs
 them (the fused one computes the forward with its gradients).
 """
 
 from __future__ import annotations
 
 from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
-from ..codegen import load_kernel
+from ..codegen import load_kernel, load_utility
 from ..tile_map import TileMap
 from .common import RowLayout, convert_rows, flags, softcap_arg, tma_descriptors
 
-__all__ = ["indexed_dot", "lse_forward", "lse_splits", "convert_width", "converted_classifier"]
+__all__ = ["TARGETS_BLOCK", "prepare_targets", "indexed_dot", "lse_forward", "lse_splits", "convert_width", "converted_classifier"]
+
+
+TARGETS_BLOCK = 1024  # positions a program of the targets kernel takes
+
+
+def prepare_targets(raw, token_weights, ignore_index: int, V: int) -> tuple:
+    """``(valid, out_of_range, targets, weights, firsts)`` of a call's (n,) ``raw`` targets (any integer
+    dtype, any stride) in one launch: ``valid`` (bool) the target is not ``ignore_index``;
+    ``out_of_range`` (bool) valid and outside [0, V) (an error); ``targets`` (int64) the target where
+    the position takes part (valid and in range), else 0; ``weights`` (fp32) its weight then (the
+    (n,) ``token_weights``, selected: an ignored position's NaN never passes; 1 without them), else 0;
+    ``firsts`` (blocks, 2) int64: each block of :data:`TARGETS_BLOCK` positions' first position out of
+    range (n where none) and its target, for the range check's one copy."""
+    n = raw.shape[0]
+    dev = raw.device
+    valid = torch.empty(n, dtype=torch.bool, device=dev)
+    bad = torch.empty(n, dtype=torch.bool, device=dev)
+    targets = torch.empty(n, dtype=torch.int64, device=dev)
+    weights = torch.empty(n, dtype=torch.float32, device=dev)
+    blocks = triton.cdiv(n, TARGETS_BLOCK)
+    firsts = torch.empty((blocks, 2), dtype=torch.int64, device=dev)
+    if n:
+        kernel = load_utility("targets.py.j2", "cce_targets_kernel")
+        tw = token_weights if token_weights is not None else weights
+        kernel[(blocks,)](raw, tw, valid, bad, targets, weights, firsts, n, V, ignore_index, raw.stride(0),
+                          tw.stride(0), HAS_WEIGHTS=token_weights is not None, BLOCK=TARGETS_BLOCK, num_warps=4)
+    return valid, bad, targets, weights, firsts
 
 
 def indexed_dot(e, c, bias, rows: RowLayout, targets, softcap, variant) -> torch.Tensor:
