@@ -322,8 +322,8 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
                 seen = _fingerprint_values(decided.extra, now)
                 if not _alike(verdict.fingerprint, seen):
                     decided = None
-                else:
-                    decided = decided._replace(measured=decided.measured and decided.measured.under(verdict))
+                elif decided.measured is not None:
+                    decided.measured.verdict = verdict  # (measured under it: the next call may reuse both)
             if decided is not None:
                 memory.use_verdict(c, verdict)
                 eps, direction = at, verdict.direction
@@ -703,15 +703,9 @@ class Measurement:
             self._copy = self._event = None
         return self._host
 
-    def under(self, verdict) -> "Measurement":
-        """This measurement, of a call that reused ``verdict``."""
-        self.verdict = verdict
-        return self
-
-    def held(self, costs) -> bool:
+    def held(self) -> bool:
         """Whether the measured call's guard and verdict held (its live shares can plan another call)."""
-        host = self.values()
-        return host[-1] > 0.5 and host[0] <= costs.max_dropped
+        return self.values()[-1] > 0.5
 
 
 def _settle(p: CallProblem, variant, filter_eps, eps, has_map: bool, shares: Shares, *, budget, costs,
@@ -759,7 +753,7 @@ def decide_unread(p: CallProblem, variant, eps: float, ev: Evidence, verdict, *,
         return None
     key = _measure_key(p, variant, eps, budget, costs, ev.e)
     prev = memory.measured(c)
-    if prev is None or prev.key != key or prev.verdict is not verdict or not prev.held(costs):
+    if prev is None or prev.key != key or prev.verdict is not verdict or not prev.held():
         return None
     out = _settle(p, variant, eps, eps, True, prev.layout.read(prev.values()), budget=budget, costs=costs,
                   fused_allowed=fused_allowed, deterministic=deterministic, correction=correction)
