@@ -77,10 +77,11 @@ class Sparse(Strategy):
                 num_warps=variant.num_warps, num_stages=variant.num_stages,
             )
         # Row-major (CSR) and column-major (CSC) views of the live tiles, and the rows by target tile.
+        # (counts by scatter_add_, not bincount: bincount reads the largest key back to size its output)
         def ptr(keys, size):
-            p = torch.zeros(size + 1, dtype=torch.int32, device=dev)
-            p[1:] = torch.cumsum(torch.bincount(keys, minlength=size), 0)
-            return p
+            counts = torch.zeros(size + 1, dtype=torch.int64, device=dev)
+            counts.scatter_add_(0, keys + 1, torch.ones_like(keys))
+            return counts.cumsum_(0).to(torch.int32)
 
         row_ptr = ptr(ids // T, R)
         col_ptr = ptr(ids % T, T)
