@@ -31,7 +31,9 @@ generators and real data with
 every mode: PyTorch, ours by default, exact, deterministic, without a memory budget, with the fp32
 classifier of a mixed-precision loop under autocast (``cce_autotune_fp32_classifier``), and the peers;
 ``--shapes`` picks some of its heads. Every row also has ``host_ms``: the median minus the device's
-busy time, the host's share of a call.
+busy time, the host's share of a call. (The profile that measures the busy time detaches CUPTI when
+it ends: ``$TEARDOWN_CUPTI`` is set to 1 unless given. Left attached, CUPTI added 15-25 % of host
+time to every later launch-heavy call of the process: 14.20 -> 16.24 ms a call at 128256 x 2048.)
 
 ``--train`` times the training call sequence instead: for each real head and each loss method, the
 same pretrained small GPT takes ``--loop-steps`` further AdamW steps (bf16 autocast, fp32 master
@@ -49,6 +51,7 @@ import argparse
 import csv
 import gc
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -183,6 +186,10 @@ def device_ms(fn: Callable[[], object], grad_to_none=None, calls: int = DEVICE_C
     Python, host syncs): the fixed cost per call that small heads feel."""
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto leaves CUPTI attached after a profile unless $TEARDOWN_CUPTI is 1 (pytorch/pytorch#144455),
+    # and CUPTI then adds host time to every later launch: the wall times measured after this call,
+    # of a method with many launches most, would carry it.
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     torch.cuda.synchronize()
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

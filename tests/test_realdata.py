@@ -2,6 +2,7 @@
 cached results, make_data("real"), and the benchmark's real-data options (CPU, tiny models)."""
 
 import math
+import os
 import sysconfig
 from pathlib import Path
 
@@ -220,3 +221,16 @@ def test_sampled_data_is_calibrated_and_unlike_lm_like():
     e3, c3, t3 = make_data("lm", 2048, 3000, 64, dtype=torch.float32, seed=1)
     assert float(F.cross_entropy(e3 @ c3.T, t3)) < mean_entropy(e3, c3) - 1.0
     assert make_data("sampled", 8, 300, 16)[0].dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the profile measures CUDA kernels")
+def test_the_device_time_profile_detaches_cupti_unless_told(monkeypatch):
+    # CUPTI left attached after a profile slows every later launch: the bench's wall times measured
+    # after its first device time would carry that. A user's own setting is kept.
+    x = torch.ones(1024, device="cuda")
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    assert bench.device_ms(lambda: x.mul_(1.0)) > 0
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    bench.device_ms(lambda: x.mul_(1.0))
+    assert os.environ["TEARDOWN_CUPTI"] == "0"
