@@ -111,7 +111,9 @@ class ForwardPlan:
     order of the classifier's next call), and ``remember_order`` keeps it; ``fused``: the plan of
     gradients computed during the forward (None: the forward computes the LSE only);
     ``convert_classifier``: an fp32 classifier with 16-bit e is converted whole, once (it fits one
-    conversion chunk), and every kernel reads the copy; else ``convert_chunk`` rows at a time;
+    conversion chunk), and every kernel reads the copy; else the forward converts ``convert_chunk``
+    rows at a time (in the walked order); with a walk, ``convert_chunk`` rows of C (of e's dtype) are
+    copied at a time in the walked order for the LSE kernel to read by position (0: it gathers them);
     ``paused``: the classifier is paused (filtering could not pay on a recent call)."""
 
     walk: Any = None  # (V,) int32 order, or None

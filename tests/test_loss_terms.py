@@ -300,6 +300,25 @@ def test_mixed_precision_forward_converts_chunks_like_a_16_bit_classifier(device
     assert rel_err(plain, lse16) < 1e-6
 
 
+def test_a_walked_forward_copying_c_in_chunks_matches_the_kernel_s_own_gather(device):
+    # A 16-bit classifier walked in an order: copied a chunk of the order at a time (each chunk read
+    # by position) or gathered by the kernel itself, the LSE and the tile map are the same.
+    from cce_autotune.strategies import forward as kernels
+    from cce_autotune.strategies.common import RowLayout
+
+    variant = MAPPED.lse_forward
+    chunk = kernels.convert_width(333, 40, variant.block_v, 2, 2 * 32 * 40 * 2)  # two tiles: a short last chunk
+    e, c, t, b = make_inputs((50,), 333, 40, torch.bfloat16, bias=True, device=device)
+    rows = RowLayout.dense(50, 40, device)
+    perm = torch.randperm(333, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=torch.int32)
+    zt = kernels.indexed_dot(e, c, b, rows, t, None, SMALL.indexed_dot)
+    lse, tmap = kernels.lse_forward(e, c, b, rows, None, variant, perm=perm, zt=zt, convert_chunk=chunk)
+    ref, tref = kernels.lse_forward(e, c, b, rows, None, variant, perm=perm, zt=zt)
+    assert 333 > chunk and torch.equal(tmap.q, tref.q)
+    assert rel_err(lse, ref) < 1e-6
+    assert rel_err(lse, torch.logsumexp(e.float() @ c.float().T + b.float(), dim=1)) < 1e-5
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_mixed_precision_exact_and_smoothing(impl, device):
     e, _, t, _ = make_inputs((37,), 301, 45, torch.bfloat16, device=device)

@@ -121,6 +121,37 @@ def test_a_call_that_cannot_read_back_is_planned_exact(device):
     assert plans[False].forward == exact.forward and exact.forward.fused is not None
 
 
+def test_the_walked_forward_copies_c_in_chunks_where_the_copy_costs_less_than_gathering(device):
+    # The forward walking a remembered order either gathers C's rows in its kernel (pointer loads:
+    # walk_gather matmuls) or copies C a chunk at a time in that order (C read and written once, a
+    # fixed host cost a chunk). Many rows share each copied tile; few rows do not.
+    from cce_autotune.options import Options
+    from cce_autotune.variant import KernelVariants
+
+    kv = KernelVariants.defaults(2)
+    c = torch.zeros(4, 4, device=device)
+    chosen = {}
+    for n in (2048, 8192):
+        V, D = 128256, 4096
+        p = Problem(n=n, n_all=n, V=V, D=D, elem=2, grad_bytes=2 * (n + V) * D)
+        memory.remember_order(c, torch.arange(4, dtype=torch.int32, device=device))
+        for budget in ("auto", 96 * MiB, kv.lse_forward.block_v * D * 2 - 1):
+            plan = planner.plan_call(Options.check(max_extra_memory=budget), "triton", kv, True, p, COSTS)
+            assert plan.forward.convert_chunk == 0  # (a 16-bit classifier: nothing to convert)
+            fw = planner.plan_forward(plan, p, c, COSTS, needs_grad=True, fused_allowed=True,
+                                      max_extra_memory=budget).forward
+            assert fw.walk is not None
+            chosen[n, budget] = fw.convert_chunk
+            limit = min(COSTS.convert_bytes, planner.call_budget(p, budget, False))
+            assert fw.convert_chunk in (0, forward.convert_width(V, D, kv.lse_forward.block_v, 2, limit))
+    assert chosen[8192, "auto"] > chosen[8192, 96 * MiB] > 0  # (the budget narrows the chunks)
+    assert chosen[2048, "auto"] == chosen[2048, 96 * MiB] == 0  # (the copy would cost more than gathering)
+    assert chosen[8192, kv.lse_forward.block_v * 4096 * 2 - 1] == 0  # (not one tile fits the budget)
+    # ... and the decision follows the coefficients, not the shape.
+    p = Problem(n=8192, n_all=8192, V=128256, D=4096, elem=2, grad_bytes=0)
+    assert planner.walk_copy(p, kv.lse_forward, None, COSTS.replace(walk_gather=0.01)) == 0
+
+
 def test_loss_rejects_a_bad_budget_naming_the_argument(device):
     e, c, t, _ = make_inputs((8,), 32, 16, torch.float32, device=device)
     with pytest.raises(ValueError, match="max_extra_memory"):

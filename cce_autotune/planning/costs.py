@@ -38,6 +38,10 @@ COMMON = (
                 "cannot pay", integer=True),
     Coefficient("convert_bytes", 128 * MiB, "bytes of one converted chunk of an fp32 classifier with 16-bit e when "
                 "it is not converted whole (its copy does not fit the memory budget)", integer=True),
+    Coefficient("walk_gather", 0.11, "the LSE forward's extra when its kernel gathers C's rows in a walked order "
+                "itself (pointer loads in place of TMA tiles), in matmuls"),
+    Coefficient("walk_copy_ms", 0.05, "time per chunk of C the forward copies in the walked order instead: its "
+                "launches' tails (0.03-0.04 ms a chunk on the H200) and the host's launches"),
     Coefficient("check_rows", 256, "rows the accuracy check samples", integer=True),
     Coefficient("check_every", 32, "calls of a classifier between two accuracy checks", integer=True),
     Coefficient("check_bytes", 64 * MiB, "the accuracy check's transient memory, at most", integer=True),

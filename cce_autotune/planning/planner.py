@@ -89,9 +89,11 @@ def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = 
             if kv.backward.strategy != "auto" and not strategies.get(kv.backward.strategy).deterministic:
                 kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
         if p is not None:
+            whole = _converts(p, o.max_extra_memory)
             forward = ForwardPlan(
-                convert_classifier=_converts(p, o.max_extra_memory),
-                convert_chunk=convert_width(p.V, p.D, kv.lse_forward.block_v, p.elem, costs.convert_bytes))
+                convert_classifier=whole,
+                convert_chunk=convert_width(p.V, p.D, kv.lse_forward.block_v, p.elem, costs.convert_bytes)
+                if p.cast_bytes and not whole else 0)
     return CallPlan(impl=impl, variants=kv, filter_eps=eps, deterministic=bool(o.deterministic), forward=forward,
                     costs=costs)
 
@@ -157,12 +159,32 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
                            budget=call_budget(p, max_extra_memory, plan.forward.convert_classifier), costs=costs)
     if fused is not None or paused:
         sort = False  # (paused: the planner found filtering cannot pay for this classifier now)
-    forward = replace(plan.forward, walk=walk if fused is None else None, sort=sort,
-                      remember_order=sort and bw.tile_map, fused=fused, paused=paused)
+        walk = None
+    copy = plan.forward.convert_chunk
+    if walk is not None and not copy:  # (a classifier converted in chunks is copied in the walked order already)
+        copy = walk_copy(p, kv.lse_forward, call_budget(p, max_extra_memory, plan.forward.convert_classifier), costs)
+    forward = replace(plan.forward, walk=walk, sort=sort, remember_order=sort and bw.tile_map, fused=fused,
+                      paused=paused, convert_chunk=copy)
     out = replace(plan, forward=forward)
     if fused is not None:
         explain.report(fused, p, call=out)
     return out
+
+
+def walk_copy(p: CallProblem, variant, budget: int | None, costs) -> int:
+    """Rows of the classifier the forward copies at a time in the order it walks, each copy a chunk
+    that the LSE kernel reads by position (as TMA tiles where it can), or 0: the kernel gathers C's rows
+    by the order itself. Gathering in the kernel costs ``walk_gather`` (every row block gathers every
+    tile: pointer loads in place of TMA, in proportion to the matmul); the copies move C twice (read,
+    written: ``elem x flops_per_byte / n`` in matmuls) and take ``walk_copy_ms`` of the host's time a
+    chunk. The chunk is at most ``convert_bytes`` and the memory budget."""
+    limit = costs.convert_bytes if budget is None else min(costs.convert_bytes, budget)
+    if limit < variant.block_v * p.D * p.elem:
+        return 0
+    rows = convert_width(p.V, p.D, variant.block_v, p.elem, limit)
+    chunks = -(-p.V // rows)
+    copies = p.elem * costs.flops_per_byte / max(1, p.n) + chunks * costs.walk_copy_ms / mm_ms(p, costs)
+    return rows if copies < costs.walk_gather else 0
 
 
 def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: bool = False, budget: int | None,

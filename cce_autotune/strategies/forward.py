@@ -70,10 +70,12 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant,
     when the target logits ``zt`` are given too, the bounds of
     :class:`~cce_autotune.tile_map.TileMap` are recorded (else ``tile_map`` is None).
 
-    A classifier wider than e (fp32 with 16-bit e) is converted to e's dtype ``convert_chunk`` rows
-    at a time (:func:`convert_width`; in the walked order) and each chunk reduced by its own launch:
-    every row block reads C's tiles, so reading them in fp32 would double the traffic the kernel lives
-    on; the chunk's conversion reads C once.
+    With ``convert_chunk`` (required for a classifier wider than e: fp32 with 16-bit e) C is copied
+    in e's dtype ``convert_chunk`` rows at a time (:func:`convert_width`; in the walked order) and
+    each chunk reduced by its own launch, which reads the chunk by position: every row block reads C's
+    tiles, so reading them in fp32 would double the traffic the kernel lives on, and gathering them
+    through the order would take pointer loads where the chunk's tiles come through TMA (see
+    ``planner.walk_copy``); the copy reads C once. Without it the kernel reads C itself.
     """
     n_rows, D = rows.n, e.shape[-1]
     V = c.shape[0]
@@ -86,9 +88,9 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant,
                        perm=perm, zt=zt)
     if n_rows == 0:
         return torch.empty(0, dtype=torch.float32, device=dev), tmap
-    if c.dtype == e.dtype:
+    if c.dtype == e.dtype and not convert_chunk:
         return _lse_launch(e, c, bias, rows, softcap, variant, perm, zt, tmap.q if record else None), tmap
-    if convert_chunk is None:
+    if not convert_chunk:
         raise ValueError("convert_chunk: a classifier wider than e is converted in chunks: give their rows")
     W = convert_chunk
     buf = torch.empty((min(W, V), D), dtype=e.dtype, device=dev)
