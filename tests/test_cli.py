@@ -375,16 +375,39 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_run(isolated, capsys,
         return real(self, *a, **k)
 
     monkeypatch.setattr(tune.FakeBackend, "time", ctrl_c_swallowed)
-    url = f"sqlite:///{isolated['tmp'] / 'studies.db'}"
-    rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512",
-                           "--trials", "8", "--kernels", "indexed_dot,lse_forward", "--storage", url,
-                           "--out", str(isolated["tmp"] / "out"))
+    # (Python's own handler, whatever the process that runs the tests inherited: a job started in the
+    # background from a script ignores SIGINT)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        url = f"sqlite:///{isolated['tmp'] / 'studies.db'}"
+        rc, out, err = run_cli(capsys, "--gpu", "h200", "--vocab", "32000", "--hidden", "256", "--tokens", "512",
+                               "--trials", "8", "--kernels", "indexed_dot,lse_forward", "--storage", url,
+                               "--out", str(isolated["tmp"] / "out"))
+        handler_after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert rc == 130 and "interrupted; run the same command again to resume" in err, err
     assert "done:" not in out
     assert len(timed) == 2  # stopped after the trial it was pressed in
     assert optuna.study.get_all_study_names(tune.make_storage(url)) == [
         tune.StudySpec("h200", "indexed_dot", tune.TuningProblem(B=512, V=32000, D=256)).name]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert handler_after is signal.default_int_handler  # the handler is put back
+
+
+def test_a_run_that_ignores_ctrl_c_keeps_ignoring_it():
+    # A run started with SIGINT ignored (nohup, a background job of a script) is not made
+    # interruptible by the guard: the handler stays SIG_IGN inside and after it.
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with tune.stop_on_interrupt():
+            inside = signal.getsignal(signal.SIGINT)
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert inside is signal.SIG_IGN and after is signal.SIG_IGN
+    assert not tune.interrupt_requested()
 
 
 # -- issue 21 item 18: explain / show without a GPU, the default budget, merge's lock ----------------

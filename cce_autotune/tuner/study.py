@@ -314,9 +314,11 @@ def stop_on_interrupt():
     check (:func:`check_interrupt`), so that an interrupt swallowed inside a finalizer still stops the
     run after the current trial. The flag is cleared on entry and on exit (a later unguarded run is
     not stopped by it); the old handler is restored on exit. Only in the main thread (the one that
-    gets signals)."""
+    gets signals), and not where SIGINT is ignored (a job started with ``nohup`` or ``&`` from a
+    script): such a run stays immune to Ctrl-C, as its launcher asked."""
     _interrupt["requested"] = False
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         try:
             yield
         finally:
