@@ -346,6 +346,32 @@ def test_autocast_casts_e_not_the_classifier(impl, device):
     assert torch.equal(ee.grad, e16.grad.float()) and torch.equal(cc.grad, c2.grad)
 
 
+def test_an_fp32_classifier_converted_whole_is_converted_once_a_call(device, monkeypatch):
+    # The plan converts the fp32 classifier whole once a call: the forward's copy serves the backward
+    # (PyTorch's path under autocast keeps the same copy for its backward). A second backward of the
+    # same graph (retain_graph), which has no forward state, converts again and gives the same gradients.
+    from cce_autotune.runtime import execute
+
+    made = []
+    real = execute.fwd.converted_classifier
+    monkeypatch.setattr(execute.fwd, "converted_classifier", lambda c, dtype: made.append(1) or real(c, dtype))
+    e, _, t, _ = make_inputs((29,), 97, 40, torch.bfloat16, device=device)
+    _, c, _, _ = make_inputs((29,), 97, 40, torch.float32, device=device)
+    ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+    loss = linear_cross_entropy(ee, cc, t, impl="triton", variants=SMALL, filter_eps=None)
+    loss.backward(retain_graph=True)
+    assert len(made) == 1
+    first = (ee.grad.clone(), cc.grad.clone())
+    ee.grad = cc.grad = None
+    loss.backward()
+    assert len(made) == 2
+    assert torch.equal(ee.grad, first[0]) and torch.equal(cc.grad, first[1])
+    e16, c2 = e.clone().requires_grad_(), c.to(torch.bfloat16).float().requires_grad_()
+    ref = linear_cross_entropy(e16, c2, t, impl="triton", variants=SMALL, filter_eps=None)
+    ref.backward()
+    assert torch.equal(loss, ref) and torch.equal(ee.grad, e16.grad)
+
+
 def test_bad_arguments_name_the_argument(device):
     e, c, t, _ = make_inputs((5,), 20, 8, torch.float32, device=device)
     cases = [

@@ -25,7 +25,9 @@ __all__ = ["CallState", "forward", "forward_reference", "vocabulary_order", "Map
 class CallState:
     """What one forward leaves for its backward: the call's tensors (its rows, targets and weights:
     the backward's inputs are the forward's), the plan, the tile map, the fused strategy's gradients
-    (for a unit incoming gradient) and the classifier's fp32 column sum (label smoothing)."""
+    (for a unit incoming gradient), the classifier's fp32 column sum (label smoothing) and its whole
+    copy in e's dtype where the plan converts it whole (``classifier``: converted once a call, as the
+    plan says; PyTorch's path under autocast keeps the same copy for its backward)."""
 
     def __init__(self, plan: CallPlan | None = None, call: Call | None = None):
         self.plan = plan
@@ -34,6 +36,7 @@ class CallState:
         self.fused = None  # (dE, dC, dbias)
         self.fused_scale = None  # the scale of the fused gradients (fp16, see gradient_scale), or None
         self.csum = None
+        self.classifier = None  # the forward's whole copy of an fp32 classifier, for the backward
 
 
 FP16_HEADROOM = 2.0**14  # the largest gradient entry a scaled fp16 call may write (fp16's largest: 65504)
@@ -95,6 +98,8 @@ def forward(plan: CallPlan, call: Call, e, c, bias) -> tuple:
             dc_dtype=c.dtype, block_v=plan.costs.fused_block_v)
         state.fused = (de, dc, dbias)
     else:
+        if ck is not c:
+            state.classifier = ck
         zt = fwd.indexed_dot(e, ck, bias, call.layout, call.targets, call.softcap, kv.indexed_dot)
         call.check_targets()  # (no host sync on a GPU)
         lse, state.tile_map = fwd.lse_forward(e, ck, bias, call.layout, call.softcap, kv.lse_forward, perm=fp.walk,
@@ -214,14 +219,20 @@ def _positions(perm, targets):
 
 
 def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u, tile_map, csum=None,
-             order=None, at_map: MapTargets | None = None) -> tuple:
+             order=None, at_map: MapTargets | None = None, classifier=None) -> tuple:
     """``(dE, dC, dbias)`` on the kernels' path, as ``plan`` (complete: its backward planned) says;
     ``lse`` is infinite where a row has no gradient; ``order``: :func:`vocabulary_order`'s;
-    ``at_map``: :func:`map_targets`'s, where the call has a tile map (else computed here)."""
+    ``at_map``: :func:`map_targets`'s, where the call has a tile map (else computed here);
+    ``classifier``: the forward's whole copy of c in e's dtype, where the plan converts it whole
+    (else converted here)."""
     bw = plan.backward
     if plan.forward.sort and order is None:
         raise ValueError("order: the plan sorts the vocabulary; pass vocabulary_order(...)'s")
-    ck = _kernel_classifier(plan, e, c)
+    if classifier is not None and (not plan.forward.convert_classifier or classifier.shape != c.shape
+                                   or classifier.dtype != e.dtype):
+        raise ValueError("classifier: the whole copy is given only for a plan that converts c whole, "
+                         "shaped like c in e's dtype")
+    ck = classifier if classifier is not None else _kernel_classifier(plan, e, c)
     scale = gradient_scale(e, ck, *(x for x in (coef_s, coef_t, coef_u) if x is not None))
     if scale is not None:
         coef_s, coef_t = coef_s * scale, coef_t * scale

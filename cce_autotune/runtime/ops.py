@@ -110,7 +110,8 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
                                   fused_allowed=planner.fused_allowed(o, plan, c.dtype != e.dtype),
                                   max_extra_memory=o.max_extra_memory)
     return execute.backward(plan, call, e, c, bias, lse_v, coef_s, coef_t, coef_u, tmap,
-                            csum=state.csum if state is not None else None, order=order, at_map=at_map)
+                            csum=state.csum if state is not None else None, order=order, at_map=at_map,
+                            classifier=state.classifier if state is not None else None)
 
 
 def run_forward(e, c, bias, targets, token_weights, o: Options, needs_grad: bool) -> tuple:
