@@ -40,7 +40,9 @@ same pretrained small GPT takes ``--loop-steps`` further AdamW steps (bf16 autoc
 weights), the classifier changing between calls as in training.  Rows have ``pass`` = ``train_step``:
 the median (p20, p80) time of a whole step, the peak memory of a step above what the model and the
 optimiser hold, and in ``err_loss`` the relative difference of the mean loss of the last steps from
-the ``torch`` method's on the same batches (both are printed). ``--train --hf llama,gemma2,qwen3`` times
+the ``torch`` method's on the same batches (both are printed). ``--train --graph`` replays each step's
+forward and backward from a CUDA graph captured once (rows ``train_step_graph``): where the host sets
+the pace of a small model's loop, what the loop costs without it. ``--train --hf llama,gemma2,qwen3`` times
 Hugging Face models of those families instead, unpatched, patched and with Liger's patch
 (:mod:`cce_autotune.bench_hf`).
 """
@@ -66,7 +68,7 @@ from .bench_hf import HF_METHODS, resolve_hf, run_hf_train
 from .data import DATA_KINDS, TORCH_DTYPES, is_file_kind, load_file, make_data
 from .data import real as realdata
 from .runtime import reference
-from .train_steps import TRAIN_WARMUP_STEPS, time_train_steps
+from .train_steps import TRAIN_WARMUP_STEPS, time_graphed_steps, time_train_steps
 from .variant import KernelVariants
 
 __all__ = ["SHAPES", "DEFAULT_SHAPES", "GRID", "resolve_shapes", "resolve_grid", "parse_data", "time_ms", "run_shape",
@@ -394,7 +396,7 @@ def check_train_shape(name: str, B: int, seq: int = realdata.DEFAULT_SEQ) -> Non
 
 
 def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40, warmup=TRAIN_WARMUP_STEPS,
-              device="cuda", layers=None, seq=realdata.DEFAULT_SEQ, log=print) -> list[dict]:
+              device="cuda", layers=None, seq=realdata.DEFAULT_SEQ, graph=False, log=print) -> list[dict]:
     """Rows (``pass`` = ``train_step``) timing whole training steps of the real-data GPT of head
     (V, D) with each loss method.
 
@@ -404,7 +406,9 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
     ``loop_steps`` timed steps on the same batches of B tokens (a batch the pretraining has not
     drawn).  A step is timed from the host, synchronised before and after: forward, loss, backward,
     clipping and the optimiser.  Peak memory (CUDA only, else nan) is the most a timed step holds
-    above what the weights and the optimiser state hold before it."""
+    above what the weights and the optimiser state hold before it. ``graph``: each step's forward and
+    backward replayed from a CUDA graph captured once (:func:`~cce_autotune.train_steps.time_graphed_steps`;
+    rows ``train_step_graph``)."""
     check_train_shape(name, B, seq)
     device = torch.device(device)
     cfg = realdata.GPTConfig.for_width(V, D, layers=layers, seq=seq)
@@ -437,17 +441,18 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
             model.zero_grad(set_to_none=True)
             memory.clear()
             opt = realdata.make_optimizer(model, lr)
-            row, loss = time_train_steps(model, opt, realdata.batches(train_ids, B // seq, seq, seed=1), loss_fn,
-                                         warmup, loop_steps, device, ref_loss)
+            timed = time_graphed_steps if graph else time_train_steps
+            row, loss = timed(model, opt, realdata.batches(train_ids, B // seq, seq, seed=1), loss_fn,
+                              warmup, loop_steps, device, ref_loss)
             if m.name == "torch":
                 ref_loss, row["err_loss"] = loss, 0.0
             rows.append(dict(base, method=m.name, **row))
             med, mem = row["median_ms"], row["peak_extra_mib"]
             ref = f"{ref_loss:.4f}" if ref_loss is not None else "n/a"
-            log(f"{name} real: {m.name:22s} train_step {med:8.2f} ms  {mem:9.1f} MiB  loss {loss:.4f} (torch {ref})")
+            log(f"{name} real: {m.name:22s} {row['pass']} {med:8.2f} ms  {mem:9.1f} MiB  loss {loss:.4f} (torch {ref})")
             del opt
         except Exception as exc:  # a peer failing must not stop the others
-            log(f"{name} real: {m.name} train_step FAILED: {exc!r}")
+            log(f"{name} real: {m.name} {'train_step_graph' if graph else 'train_step'} FAILED: {exc!r}")
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -528,6 +533,9 @@ def main(argv=None) -> int:
                     help="--train: Hugging Face models of these families instead of the GPTs (comma list of "
                          "llama, gemma2, qwen3, or all; a few decoder layers of the released model's widths, built "
                          "from configs, unpatched, patch(model) and Liger's patch; --shapes adds the GPTs back)")
+    ap.add_argument("--graph", action="store_true",
+                    help="--train: each step's forward and backward captured once in a CUDA graph and replayed "
+                         "(clipping and the optimiser outside it): the loop without its host time; the GPTs only")
     ap.add_argument("--loop-steps", type=int, default=40,
                     help=f"--train: timed steps per method, after {TRAIN_WARMUP_STEPS} untimed ones")
     ap.add_argument("--grid", action="store_true",
@@ -545,6 +553,8 @@ def main(argv=None) -> int:
             hf_families = resolve_hf(args.hf)
         except ValueError as exc:
             ap.error(str(exc))
+    if args.graph and (not args.train or args.hf is not None):
+        ap.error("--graph: times the GPTs' training steps replayed from a CUDA graph; give --train (without --hf)")
     if args.grid and (args.train or args.softcap is not None or args.classifier != "same"):
         ap.error("--grid: times the heads alone, with their own softcaps and every mode (the fp32 classifier "
                  "included); not with --train, --softcap or --classifier")
@@ -604,7 +614,7 @@ def main(argv=None) -> int:
         methods = methods_for(softcap)
         if args.train:
             rows += run_train(name, B, V, D, methods, meta, pretrain_steps=args.train_steps,
-                              loop_steps=args.loop_steps, log=log)
+                              loop_steps=args.loop_steps, graph=args.graph, log=log)
         else:
             options = {"steps": args.train_steps} if data == "real" else {}
             if softcap is not None:

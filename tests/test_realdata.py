@@ -142,7 +142,9 @@ def test_bench_shapes_and_arguments(capsys):
                           (["--train", "--softcap", "30"], "--softcap: --train"),
                           (["--grid", "--shapes", "gemma2"], "--shapes: with --grid, a comma list of"),
                           (["--grid", "--train"], "--grid: times the heads alone"),
-                          (["--grid", "--classifier", "fp32"], "--grid: times the heads alone")):
+                          (["--grid", "--classifier", "fp32"], "--grid: times the heads alone"),
+                          (["--graph"], "--graph: times the GPTs' training steps"),
+                          (["--train", "--graph", "--hf", "llama"], "--graph: times the GPTs' training steps")):
         with pytest.raises(SystemExit) as exit_info:
             bench.main(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -201,6 +203,27 @@ def test_bench_train_loop_on_cpu(data_dir):
     assert rows[0]["err_loss"] == 0
     with pytest.raises(ValueError, match="^--shapes: tiny has B=100"):
         bench.run_train("tiny", 100, V, 32, methods, {}, device="cpu", seq=64)
+
+
+def test_a_graphed_training_loop_needs_a_cuda_device():
+    from cce_autotune.train_steps import time_graphed_steps
+
+    with pytest.raises(ValueError, match="^device: a CUDA graph needs a CUDA device"):
+        time_graphed_steps(None, None, iter(()), None, 1, 1, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_train_loop_replayed_from_a_cuda_graph(data_dir):
+    """--train --graph on a tiny head: each method's forward and backward captured once and replayed,
+    the loop trains as the eager one does (ours planned exact while captured)."""
+    methods = [m for m in bench._methods(include_peers=False) if m.name in ("torch", "cce_autotune")]
+    lines = []
+    rows = bench.run_train("tiny", 256, V, 32, methods, {"gpu": "cuda"}, pretrain_steps=20, loop_steps=6, warmup=2,
+                           device="cuda", layers=1, seq=64, graph=True, log=lines.append)
+    assert [r["method"] for r in rows] == ["torch", "cce_autotune"], lines
+    for r in rows:
+        assert r["pass"] == "train_step_graph" and r["median_ms"] > 0 and r["peak_extra_mib"] > 0
+    assert rows[1]["err_loss"] < 1e-2  # bf16 autocast: the same training within rounding
 
 
 def test_sampled_data_is_calibrated_and_unlike_lm_like():
