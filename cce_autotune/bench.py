@@ -40,9 +40,9 @@ same pretrained small GPT takes ``--loop-steps`` further AdamW steps (bf16 autoc
 weights), the classifier changing between calls as in training.  Rows have ``pass`` = ``train_step``:
 the median (p20, p80) time of a whole step, the peak memory of a step above what the model and the
 optimiser hold, and in ``err_loss`` the relative difference of the mean loss of the last steps from
-the ``torch`` method's on the same batches (both are printed). ``--train --graph`` replays each step's
-forward and backward from a CUDA graph captured once (rows ``train_step_graph``): where the host sets
-the pace of a small model's loop, what the loop costs without it. ``--train --hf llama,gemma2,qwen3`` times
+the ``torch`` method's on the same batches (both are printed). ``--train --graph`` runs each loop a
+second time with each step's forward and backward replayed from a CUDA graph captured once (rows
+``train_step_graph``): where the host sets the pace of a small model's loop, what it costs without it. ``--train --hf llama,gemma2,qwen3`` times
 Hugging Face models of those families instead, unpatched, patched and with Liger's patch
 (:mod:`cce_autotune.bench_hf`).
 """
@@ -406,9 +406,9 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
     ``loop_steps`` timed steps on the same batches of B tokens (a batch the pretraining has not
     drawn).  A step is timed from the host, synchronised before and after: forward, loss, backward,
     clipping and the optimiser.  Peak memory (CUDA only, else nan) is the most a timed step holds
-    above what the weights and the optimiser state hold before it. ``graph``: each step's forward and
-    backward replayed from a CUDA graph captured once (:func:`~cce_autotune.train_steps.time_graphed_steps`;
-    rows ``train_step_graph``)."""
+    above what the weights and the optimiser state hold before it. ``graph``: each method's loop is run
+    a second time from the same weights with each step's forward and backward replayed from a CUDA
+    graph captured once (:func:`~cce_autotune.train_steps.time_graphed_steps`; rows ``train_step_graph``)."""
     check_train_shape(name, B, seq)
     device = torch.device(device)
     cfg = realdata.GPTConfig.for_width(V, D, layers=layers, seq=seq)
@@ -422,7 +422,8 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
     dt = realdata.compute_dtype(device)
     lr = realdata.default_lr(D) * realdata.FINAL_LR_FRACTION
     base = dict(meta, data="real", shape=name, B=B, V=V, D=D, dtype=str(dt).replace("torch.", ""))
-    rows, ref_loss = [], None
+    modes = [("train_step", time_train_steps)] + ([("train_step_graph", time_graphed_steps)] if graph else [])
+    rows, refs = [], {}  # refs: the torch method's mean loss, per pass
     for m in methods:
 
         def loss_fn(model, x, y, m=m):
@@ -436,26 +437,26 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
             # c.dtype == e.dtype leaves).
             return m.loss(h.to(dt), model.lm_head.weight.to(dt), y.flatten())
 
-        try:
-            model.load_state_dict(init)
-            model.zero_grad(set_to_none=True)
-            memory.clear()
-            opt = realdata.make_optimizer(model, lr)
-            timed = time_graphed_steps if graph else time_train_steps
-            row, loss = timed(model, opt, realdata.batches(train_ids, B // seq, seq, seed=1), loss_fn,
-                              warmup, loop_steps, device, ref_loss)
-            if m.name == "torch":
-                ref_loss, row["err_loss"] = loss, 0.0
-            rows.append(dict(base, method=m.name, **row))
-            med, mem = row["median_ms"], row["peak_extra_mib"]
-            ref = f"{ref_loss:.4f}" if ref_loss is not None else "n/a"
-            log(f"{name} real: {m.name:22s} {row['pass']} {med:8.2f} ms  {mem:9.1f} MiB  loss {loss:.4f} (torch {ref})")
-            del opt
-        except Exception as exc:  # a peer failing must not stop the others
-            log(f"{name} real: {m.name} {'train_step_graph' if graph else 'train_step'} FAILED: {exc!r}")
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        for pass_name, timed in modes:
+            try:
+                model.load_state_dict(init)
+                model.zero_grad(set_to_none=True)
+                memory.clear()
+                opt = realdata.make_optimizer(model, lr)
+                row, loss = timed(model, opt, realdata.batches(train_ids, B // seq, seq, seed=1), loss_fn,
+                                  warmup, loop_steps, device, refs.get(pass_name))
+                if m.name == "torch":
+                    refs[pass_name], row["err_loss"] = loss, 0.0
+                rows.append(dict(base, method=m.name, **row))
+                med, mem = row["median_ms"], row["peak_extra_mib"]
+                ref = f"{refs[pass_name]:.4f}" if pass_name in refs else "n/a"
+                log(f"{name} real: {m.name:22s} {pass_name} {med:8.2f} ms  {mem:9.1f} MiB  loss {loss:.4f} (torch {ref})")
+                del opt
+            except Exception as exc:  # a peer failing (or one that cannot be captured) must not stop the others
+                log(f"{name} real: {m.name} {pass_name} FAILED: {exc!r}")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -534,8 +535,9 @@ def main(argv=None) -> int:
                          "llama, gemma2, qwen3, or all; a few decoder layers of the released model's widths, built "
                          "from configs, unpatched, patch(model) and Liger's patch; --shapes adds the GPTs back)")
     ap.add_argument("--graph", action="store_true",
-                    help="--train: each step's forward and backward captured once in a CUDA graph and replayed "
-                         "(clipping and the optimiser outside it): the loop without its host time; the GPTs only")
+                    help="--train: each method's loop again, from the same weights, with each step's forward and "
+                         "backward replayed from a CUDA graph captured once (clipping and the optimiser outside it): "
+                         "the loop without its host time; the GPTs only")
     ap.add_argument("--loop-steps", type=int, default=40,
                     help=f"--train: timed steps per method, after {TRAIN_WARMUP_STEPS} untimed ones")
     ap.add_argument("--grid", action="store_true",

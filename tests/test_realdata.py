@@ -214,16 +214,17 @@ def test_a_graphed_training_loop_needs_a_cuda_device():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_train_loop_replayed_from_a_cuda_graph(data_dir):
-    """--train --graph on a tiny head: each method's forward and backward captured once and replayed,
-    the loop trains as the eager one does (ours planned exact while captured)."""
+    """--train --graph on a tiny head: each method's loop eager, then again with its forward and
+    backward captured once and replayed; both train alike (ours planned exact while captured)."""
     methods = [m for m in bench._methods(include_peers=False) if m.name in ("torch", "cce_autotune")]
     lines = []
     rows = bench.run_train("tiny", 256, V, 32, methods, {"gpu": "cuda"}, pretrain_steps=20, loop_steps=6, warmup=2,
                            device="cuda", layers=1, seq=64, graph=True, log=lines.append)
-    assert [r["method"] for r in rows] == ["torch", "cce_autotune"], lines
+    assert [(r["method"], r["pass"]) for r in rows] == [(m, p) for m in ("torch", "cce_autotune")
+                                                        for p in ("train_step", "train_step_graph")], lines
     for r in rows:
-        assert r["pass"] == "train_step_graph" and r["median_ms"] > 0 and r["peak_extra_mib"] > 0
-    assert rows[1]["err_loss"] < 1e-2  # bf16 autocast: the same training within rounding
+        assert r["median_ms"] > 0 and r["peak_extra_mib"] > 0
+        assert r["err_loss"] < 1e-2  # bf16 autocast: the same training within rounding, against torch's of each pass
 
 
 def test_sampled_data_is_calibrated_and_unlike_lm_like():
