@@ -500,10 +500,11 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'shape':8s} {'data':6s} {'method':22s} {'pass':6s} {'ms':>8s} {'x mm':>6s} {'MiB':>9s} "
+    wp = max([6] + [len(r["pass"]) for r in rows])  # (train_step_graph)
+    print(f"{'shape':8s} {'data':6s} {'method':22s} {'pass':{wp}s} {'ms':>8s} {'x mm':>6s} {'MiB':>9s} "
           f"{'err_loss':>8s} {'err_dE':>8s} {'err_dC':>8s}")
     for r in rows:
-        print(f"{r['shape']:8s} {r['data']:6s} {r['method']:22s} {r['pass']:6s} {r['median_ms']:8.2f} "
+        print(f"{r['shape']:8s} {r['data']:6s} {r['method']:22s} {r['pass']:{wp}s} {r['median_ms']:8.2f} "
               f"{r['ratio_to_matmul']:6.2f} {r['peak_extra_mib']:9.1f} {r.get('err_loss', float('nan')):8.1e} "
               f"{r.get('err_de', float('nan')):8.1e} {r.get('err_dc', float('nan')):8.1e}")
 

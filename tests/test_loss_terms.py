@@ -370,6 +370,14 @@ def test_an_fp32_classifier_converted_whole_is_converted_once_a_call(device, mon
     ref = linear_cross_entropy(e16, c2, t, impl="triton", variants=SMALL, filter_eps=None)
     ref.backward()
     assert torch.equal(loss, ref) and torch.equal(ee.grad, e16.grad)
+    # A copy that is not the plan's (here in fp32: not e's dtype) is refused, not read.
+    real_backward = execute.backward
+    monkeypatch.setattr(execute, "backward", lambda *a, classifier=None, **k: real_backward(
+        *a, classifier=None if classifier is None else classifier.float(), **k))
+    loss = linear_cross_entropy(e.clone().requires_grad_(), c.clone().requires_grad_(), t, impl="triton",
+                                variants=SMALL, filter_eps=None)
+    with pytest.raises(ValueError, match="^classifier: "):
+        loss.backward()
 
 
 def test_bad_arguments_name_the_argument(device):
