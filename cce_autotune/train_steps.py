@@ -44,10 +44,17 @@ def time_train_steps(model, opt, batches, loss_fn, warmup: int, loop_steps: int,
         _sync(device)
         times.append(time.perf_counter() - start)
     mem = (torch.cuda.max_memory_allocated(device) - mem_base) / 2**20 if device.type == "cuda" else math.nan
-    p20, med, p80 = (1e3 * float(q) for q in torch.tensor(times[warmup:]).quantile(torch.tensor([0.2, 0.5, 0.8])))
+    return _row("train_step", times[warmup:], losses, mem, ref_loss)
+
+
+def _row(pass_name: str, times: list, losses: list, mem: float, ref_loss) -> tuple:
+    """``(row, loss)`` of a timed loop: the median, p20 and p80 of ``times`` (seconds) in ms, the peak
+    memory ``mem`` (MiB), the mean of the last :data:`TRAIN_LOSS_STEPS` ``losses`` and its relative
+    difference from ``ref_loss``."""
+    p20, med, p80 = (1e3 * float(q) for q in torch.tensor(times).quantile(torch.tensor([0.2, 0.5, 0.8])))
     loss = float(torch.stack(losses[-TRAIN_LOSS_STEPS:]).mean())
     err = abs(loss - ref_loss) / ref_loss if ref_loss is not None else math.nan
-    row = {"pass": "train_step", "median_ms": med, "p20_ms": p20, "p80_ms": p80, "ratio_to_matmul": math.nan,
+    row = {"pass": pass_name, "median_ms": med, "p20_ms": p20, "p80_ms": p80, "ratio_to_matmul": math.nan,
            "peak_extra_mib": mem, "err_loss": err, "err_de": math.nan, "err_dc": math.nan}
     return row, loss
 
@@ -56,10 +63,9 @@ def time_graphed_steps(model, opt, batches, loss_fn, warmup: int, loop_steps: in
     """``(row, loss)`` as :func:`time_train_steps`, with the step's forward and backward (under
     :func:`~cce_autotune.data.real.autocast`) captured once in a CUDA graph and replayed: each step
     copies its batch into the graph's inputs, replays it (the gradients land in the same tensors every
-    time) and clips and steps the optimiser outside the graph. ``warmup`` eager forward + backward
-    steps (:func:`~cce_autotune.data.real.train_step`) on a side stream come before the capture (as
-    :func:`torch.cuda.graph` asks). ``row``'s
-    pass is ``train_step_graph``; its memory, the most the capture held above what the model and the
+    time) and clips and steps the optimiser outside the graph. ``warmup`` eager steps
+    (:func:`~cce_autotune.data.real.train_step`) on a side stream come before the capture (as
+    :func:`torch.cuda.graph` asks). ``row``'s pass is ``train_step_graph``; its memory, the most the capture held above what the model and the
     optimiser held before it (the step's working set: replays allocate nothing). CUDA only: a loss
     that reads a value back to the host cannot be captured (the error is raised)."""
     device = torch.device(device)
@@ -98,9 +104,4 @@ def time_graphed_steps(model, opt, batches, loss_fn, warmup: int, loop_steps: in
         times.append(time.perf_counter() - start)
     del graph
     model.zero_grad(set_to_none=True)
-    p20, med, p80 = (1e3 * float(q) for q in torch.tensor(times).quantile(torch.tensor([0.2, 0.5, 0.8])))
-    loss = float(torch.stack(losses[-TRAIN_LOSS_STEPS:]).mean())
-    err = abs(loss - ref_loss) / ref_loss if ref_loss is not None else math.nan
-    row = {"pass": "train_step_graph", "median_ms": med, "p20_ms": p20, "p80_ms": p80, "ratio_to_matmul": math.nan,
-           "peak_extra_mib": mem, "err_loss": err, "err_de": math.nan, "err_dc": math.nan}
-    return row, loss
+    return _row("train_step_graph", times, losses, mem, ref_loss)
