@@ -806,6 +806,17 @@ def plan_backward(p: CallProblem, variant, *, has_map: bool, live: float | None 
     by strategy name, or one share for all; None: all live). ``deterministic``: only strategies whose
     sums use no float atomics (the same bits every run). ``correction``: only strategies that take
     the dead-tile correction (a filter that needs it runs there)."""
+    blocks = tuple(sorted(live_blocks.items())) if isinstance(live_blocks, dict) else live_blocks
+    return _plan_backward(p, variant, has_map, live, blocks, budget, costs, exact, deterministic, correction,
+                          strategies.generation())
+
+
+@lru_cache(maxsize=1024)  # pure: a steady loop asks for the same plans at every call (host time is a cost)
+def _plan_backward(p: CallProblem, variant, has_map: bool, live, blocks, budget, costs, exact: bool,
+                   deterministic: bool, correction: bool, generation: int) -> BackwardPlan:
+    """:func:`plan_backward`, kept per arguments (``blocks``: ``live_blocks`` as a tuple of items where
+    it is a mapping) and per :func:`cce_autotune.strategies.generation`."""
+    live_blocks = dict(blocks) if isinstance(blocks, tuple) else blocks
     bb, bv = variant.block_b, variant.block_v
     n_tiles = -(-p.n // bb) * -(-p.V // bv)
     use_map = has_map and live is not None and not exact
@@ -858,18 +869,26 @@ def plan_backward(p: CallProblem, variant, *, has_map: bool, live: float | None 
     )
 
 
-@lru_cache(maxsize=256)  # pure; asked for on every mapped call's backward, after its read-back
 def exact_cost(p: CallProblem, variant, budget: int | None, costs) -> float:
     """Estimated cost of the best backward that computes every tile (no map, natural order)."""
+    return _exact_cost(p, variant, budget, costs, strategies.generation())
+
+
+@lru_cache(maxsize=256)  # pure; asked for on every mapped call's backward
+def _exact_cost(p: CallProblem, variant, budget: int | None, costs, generation: int) -> float:
     natural = replace(p, sorted_vocab=False, map_bytes=0)
     return plan_backward(natural, variant.replace(strategy="auto"), has_map=False, budget=budget, costs=costs,
                          exact=True).cost
 
 
-@lru_cache(maxsize=256)  # (pure, as exact_cost)
 def unfiltered_cost(p: CallProblem, variant, budget: int | None, costs, fused_allowed: bool) -> float:
     """Estimated forward + backward of the best plan that filters nothing: the forward and the
     exact backward, or a strategy that computes the gradients in the forward where it may run."""
+    return _unfiltered_cost(p, variant, budget, costs, fused_allowed, strategies.generation())
+
+
+@lru_cache(maxsize=256)  # (pure, as exact_cost)
+def _unfiltered_cost(p: CallProblem, variant, budget: int | None, costs, fused_allowed: bool, generation: int) -> float:
     best = costs.forward + exact_cost(p, variant, budget, costs)
     if fused_allowed:
         for s in strategies.all_strategies():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import threading
 
-__all__ = ["TABLE", "AUTO_RENDERS", "names", "get", "all_strategies", "register", "unregister"]
+__all__ = ["TABLE", "AUTO_RENDERS", "names", "get", "all_strategies", "register", "unregister", "generation"]
 
 # name -> module of this package
 TABLE = {
@@ -33,6 +33,7 @@ _loaded: dict = {}
 # shape most directly.
 AUTO_RENDERS = "tiles"
 _registered: dict = {}  # strategies registered at run time (outside the package)
+_generation = [0]  # counts register/unregister calls: what a cache of plans keys on (see generation)
 
 
 def names() -> tuple:
@@ -66,8 +67,16 @@ def register(strategy) -> None:
     if not strategy.name or strategy.name in TABLE or strategy.name == "auto":
         raise ValueError(f"strategy {strategy.name!r}: the name is empty, 'auto' or taken")
     _registered[strategy.name] = strategy
+    _generation[0] += 1
 
 
 def unregister(name: str) -> None:
     """Forget a strategy :func:`register` added."""
     _registered.pop(name, None)
+    _generation[0] += 1
+
+
+def generation() -> int:
+    """A number that changes whenever the set of strategies does (:func:`register`, :func:`unregister`):
+    a result computed from :func:`all_strategies` may be kept under it."""
+    return _generation[0]
