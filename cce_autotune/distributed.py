@@ -299,7 +299,7 @@ def vocab_parallel_backward(grad_loss: Optional[torch.Tensor], grad_lse: Optiona
 
     sh = _Shard(e, c, bias, targets, token_weights, options, V, lo)
     call = sh.call
-    coef_s, coef_t, coef_u = call.coefficients(grad_loss, grad_lse, lse)
+    coef_s, coef_t, coef_u, _ = call.coefficients(grad_loss, grad_lse, lse)
     coef_t = torch.where(sh.in_shard, coef_t, 0.0)  # (a target's onehot term on the shard that holds it)
     state = getattr(handle, "_cce_state", None)
     if state is not None:

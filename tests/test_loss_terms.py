@@ -433,3 +433,58 @@ def test_large_softcaps_keep_the_logits(softcap, device):
     res = compare(e, c, t, b, torch.float32, impl="triton", softcap=softcap)
     for name, (err, tol) in res.items():
         assert err < 1e-5, (name, err, tol)
+
+
+def _same(a, b, rtol=0.0):
+    """Equal (NaN where the other is NaN), to ``rtol`` where given."""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=rtol, atol=0.0, equal_nan=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("terms", [dict(), dict(label_smoothing=0.1, z_loss=1e-3)])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("clean", [True, False])
+def test_row_kernels_compute_what_the_pytorch_path_does(reduction, terms, weighted, clean, device):
+    # The kernels' path reduces the loss (execute.reduce_loss) and forms the gradient's coefficients
+    # (Call.coefficients) in one launch each (strategies.rows): the same per-row values as the PyTorch
+    # path's element-wise ops (the same bits), the same sum to fp32 rounding, over several blocks of
+    # rows; with rows that are ignored, out of range (NaN), with an infinite LSE (NaN), an incoming
+    # gradient per row or a scalar, with and without the LSE's own gradient.
+    from cce_autotune.options import Options
+    from cce_autotune.runtime import execute
+    from cce_autotune.runtime.call import prepare
+    from cce_autotune.strategies.rows import ROWS_BLOCK
+
+    g = torch.Generator().manual_seed(5)
+    B, T, V, D = 2, ROWS_BLOCK + 77, 40, 8
+    t = torch.randint(0, V + (0 if clean else 3), (B, T), generator=g)
+    t[torch.rand(B, T, generator=g) < 0.2] = -100
+    tw = torch.rand(B, T, generator=g)
+    tw[t == -100] = float("nan")  # (never reaches the loss or the gradients)
+    o = Options.check(reduction=reduction, **terms)
+    t, tw = t.to(device), tw.to(device)
+    e, c = torch.zeros(B, T, D, device=device), torch.zeros(V, D, device=device)
+    ours, ref = (prepare(e, c, t, None, tw if weighted else None, o, impl) for impl in ("triton", "torch"))
+    n = ours.n_rows
+    lse = (torch.randn(n, generator=g) * 3 + 5).to(device)
+    if not clean:
+        lse[3], lse[7] = float("inf"), -float("inf")
+    zt, zsum = (torch.randn(n, generator=g) * s for s in (1.0, 10.0))
+    zt, zsum = zt.to(device), zsum.to(device)
+    (loss, lse_out), (loss_ref, lse_ref) = (execute.reduce_loss(x, lse, zt, zsum) for x in (ours, ref))
+    assert _same(lse_out, lse_ref)
+    assert _same(loss, loss_ref, rtol=0.0 if reduction == "none" else 1e-6)
+    assert bool(torch.isfinite(loss).all()) == clean
+    if reduction == "mean":
+        assert _same(ours.denominator(), ref.denominator(), rtol=1e-6)
+    grad = torch.randn(loss.shape, generator=g).to(device)
+    expanded = torch.ones((), device=device).expand(loss.shape)  # (strides 0: loss.sum()'s gradient)
+    for grad_loss, grad_lse in ((grad, None), (expanded, None), (grad, torch.randn(n, generator=g).to(device)),
+                                (None, torch.ones((), device=device).expand(n))):
+        a = ours.coefficients(grad_loss, grad_lse, lse_out)
+        b = ref.coefficients(grad_loss, grad_lse, lse_ref)
+        for name, x, y in zip(("coef_s", "coef_t", "coef_u", "lse_v"), a, b):
+            assert (x is None) == (y is None), name
+            if x is not None:  # ("mean" divides by the denominator, summed in another order)
+                assert _same(x, y, rtol=1e-6 if reduction == "mean" else 0.0), name
+        assert (a[0] is a[1]) == (not terms and grad_lse is None)

@@ -22,6 +22,7 @@ from ..options import Options
 from ..plans import CallProblem
 from ..strategies import forward as fwd
 from ..strategies.common import RowLayout
+from ..strategies.rows import row_coefficients
 
 __all__ = ["Call", "prepare", "pred_shape", "raise_landed_checks", "rows_flatten"]
 
@@ -91,10 +92,17 @@ class Call:
     def denominator(self) -> torch.Tensor:
         """What "mean" divides by: the summed weights of the non-ignored positions (their count
         without token weights). 0 when every position is ignored: the loss is then NaN, as torch's.
-        (Made once a call: the forward's loss and its backward's coefficients both use it.)"""
+        (Made once a call: the forward's loss and its backward's coefficients both use it; the
+        kernels' path sums it with the loss: :meth:`keep_denominator`.)"""
         if self._denominator is None:
             self._denominator = self.weights.sum()
         return self._denominator
+
+    def keep_denominator(self, value: torch.Tensor) -> None:
+        """Keep ``value`` (0-d, on the device: the weights' sum the loss was divided by) as the
+        call's :meth:`denominator`, unless one was made already."""
+        if self._denominator is None:
+            self._denominator = value
 
     def unit_coef(self) -> torch.Tensor:
         """Per-row gradient coefficient of the reduced loss for a unit incoming gradient (made once a
@@ -105,8 +113,16 @@ class Call:
         return self._unit_coef
 
     def coefficients(self, grad_loss, grad_lse, lse):
-        """(coef_s, coef_t, coef_u) of each row (fp32, (n,)); see the module docstring."""
+        """(coef_s, coef_t, coef_u, lse_v) of each row (fp32, (n,); see the module docstring) from the
+        forward's ``lse`` (0 at ignored rows); ``lse_v``: the LSE, +inf at ignored rows (their softmax,
+        so their gradient, is then 0). On the kernels' path in one launch
+        (:func:`~cce_autotune.strategies.rows.row_coefficients`: the same values)."""
         o = self.options
+        if self.impl == "triton":
+            return row_coefficients(grad_loss, grad_lse.reshape(-1) if grad_lse is not None else None, self.valid,
+                                    self.weights, lse, self.denominator() if o.reduction == "mean" else None,
+                                    reduction=o.reduction, label_smoothing=o.label_smoothing, V=self.V,
+                                    z_loss=o.z_loss)
         n = self.n_rows
         if grad_loss is None:
             g = torch.zeros(n, dtype=torch.float32, device=lse.device)
@@ -120,7 +136,8 @@ class Call:
         if grad_lse is not None:
             coef_s = coef_s + torch.where(self.valid, grad_lse.reshape(-1).float(), 0.0)
         coef_u = g * (o.label_smoothing / self.V) if o.label_smoothing else None
-        return coef_s.contiguous(), coef_t.contiguous(), coef_u
+        lse_v = torch.where(self.valid, lse, float("inf"))
+        return coef_s.contiguous(), coef_t.contiguous(), coef_u, lse_v
 
     def problem(self, e, c, bias, tile_map=None) -> CallProblem:
         """The call's sizes for the planner (``tile_map``: the forward's, alive during the backward)."""

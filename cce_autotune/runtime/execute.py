@@ -12,6 +12,7 @@ import torch
 from .. import memory, strategies
 from ..plans import CallPlan
 from ..strategies import forward as fwd
+from ..strategies.rows import row_loss
 from ..strategies.common import BackwardArgs, scale_in_place
 from ..tile_map import sort_order
 from . import reference
@@ -126,10 +127,19 @@ def forward_reference(call: Call, e, c, bias) -> tuple:
 def reduce_loss(call: Call, lse, zt, zsum) -> tuple:
     """``(loss, lse_out)`` of the call from every row's LSE, target logit and (label smoothing) sum of
     logits over the whole vocabulary: the loss terms, token weights and reduction, NaN where a row's
-    logits are not finite or its target is out of range; ``lse_out`` 0 at ignored rows."""
+    logits are not finite or its target is out of range; ``lse_out`` 0 at ignored rows. On the
+    kernels' path in one launch (:func:`~cce_autotune.strategies.rows.row_loss`: the same terms)."""
     o = call.options
-    lse = lse.float()
     ls = o.label_smoothing
+    if call.impl == "triton":
+        loss, lse_out, den = row_loss(
+            lse.float().contiguous(), zt.float().contiguous(), zsum.float().contiguous() if ls else None, call.valid,
+            call.out_of_range, call.weights, reduction=o.reduction, label_smoothing=ls, V=call.V, z_loss=o.z_loss,
+            weighted=call.has_token_weights)
+        if den is not None:
+            call.keep_denominator(den)
+        return (loss.view(call.pred_shape) if o.reduction == "none" else loss), lse_out
+    lse = lse.float()
     row = lse - (1.0 - ls) * zt.float() if ls else lse - zt.float()
     if ls:
         row = row - (ls / call.V) * zsum.float()
