@@ -95,9 +95,7 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         call, plan = start(e, c, targets, bias, token_weights, o)
     if call.n_rows == 0:
         return torch.zeros_like(e), torch.zeros_like(c), torch.zeros_like(bias) if bias is not None else None
-    coef_s, coef_t, coef_u = call.coefficients(grad_loss, grad_lse, lse_out)
-    # Ignored positions: an infinite LSE makes their softmax (and so their gradient) zero.
-    lse_v = torch.where(call.valid, lse_out, float("inf"))
+    coef_s, coef_t, coef_u, lse_v = call.coefficients(grad_loss, grad_lse, lse_out)
     if plan is None:
         return execute.backward_reference(call, e, c, bias, lse_v, coef_s, coef_t, coef_u)
     tmap = state.tile_map if state is not None else None
@@ -140,8 +138,9 @@ class _NoAutocast:
     precision (the loss's inputs were already cast by the caller where autocast says so)."""
 
     def __init__(self, device: torch.device):
+        # (only where autocast is on: entering and leaving it costs host time, about 50 us a call)
         self.ctx = torch.autocast(device_type=device.type, enabled=False) \
-            if device.type in ("cuda", "cpu") else None
+            if device.type in ("cuda", "cpu") and torch.is_autocast_enabled(device.type) else None
 
     def __enter__(self):
         if self.ctx is not None:
