@@ -203,6 +203,35 @@ def test_an_explicit_strategy_runs_when_it_fits_and_is_replaced_when_it_does_not
     assert nomap.strategy != "sparse" and "cannot run" in nomap.reason
 
 
+def test_plans_are_kept_per_call_and_a_strategy_registered_later_is_weighed():
+    # plan_backward keeps its plans (a steady loop asks for the same one at every call): the same
+    # arguments give the same plan object; a strategy registered after that is weighed by the next
+    # plan, and forgotten once it is unregistered.
+    from cce_autotune import strategies
+
+    p = problem("llama3")
+    kw = dict(has_map=True, live=0.9, live_blocks={"chunked": 1.0, "sparse": 0.9}, budget=None)
+    first = plan_backward(p, BackwardVariant(), **kw)
+    assert plan_backward(p, BackwardVariant(), **kw) is first
+    cost = planner.exact_cost(p, BackwardVariant(), None, COSTS)
+
+    class Cheap(type(chunked.STRATEGY)):
+        name = "cheap"
+
+        def option(self, ctx):
+            opt = chunked.STRATEGY.option(ctx)
+            return type(opt)(opt.cost / 10, opt.extra_bytes, opt.use_map, opt.sizes)
+
+    strategies.register(Cheap())
+    try:
+        assert plan_backward(p, BackwardVariant(), **kw).strategy == "cheap"
+        assert planner.exact_cost(p, BackwardVariant(), None, COSTS) < cost
+    finally:
+        strategies.unregister("cheap")
+    assert plan_backward(p, BackwardVariant(), **kw).strategy == first.strategy != "cheap"
+    assert planner.exact_cost(p, BackwardVariant(), None, COSTS) == cost
+
+
 def test_nothing_fits_takes_the_smallest_and_says_so():
     p = problem("mistral")
     plan = plan_backward(p, BackwardVariant(), has_map=True, live=0.3, live_blocks=1.0, budget=1)
