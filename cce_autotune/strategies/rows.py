@@ -2,8 +2,9 @@
 the loss from every row's LSE and target logit (its terms, token weights and reduction), and the
 gradient's per-row coefficients. The PyTorch path takes about ten small operations for each (on the
 H200's host about 20 us apiece: a quarter of a millisecond a call, while the device waits for the
-host); these compute the same values with the same operations in the same order (the sum of "sum"
-and "mean" in another order: one program, a fixed one, so the same bits every run).
+host); these compute the same values with the same operations in the same order, none fused into
+another (no multiply-add: the same bits as the PyTorch path's), but the sum of "sum" and "mean",
+taken in another order (one program, a fixed order: the same bits every run).
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ def row_loss(lse, zt, zsum, valid, out_of_range, weights, *, reduction: str, lab
         rows = torch.empty(n, dtype=torch.float32, device=dev)
         if n:
             kernel = load_utility("rows.py.j2", "cce_loss_rows_kernel")
-            kernel[(triton.cdiv(n, ROWS_BLOCK),)](*args, rows, n, *scalars, **flags, num_warps=4)
+            kernel[(triton.cdiv(n, ROWS_BLOCK),)](*args, rows, n, *scalars, **flags, num_warps=4,
+                                                  enable_fp_fusion=False)
         return rows, lse_out, None
     out = torch.empty(2, dtype=torch.float32, device=dev)
     kernel = load_utility("rows.py.j2", "cce_loss_sum_kernel")
-    kernel[(1,)](*args, out, n, *scalars, **flags, MEAN=reduction == "mean", num_warps=4)
+    kernel[(1,)](*args, out, n, *scalars, **flags, MEAN=reduction == "mean", num_warps=4,
+                    enable_fp_fusion=False)
     return out[0], lse_out, out[1]
 
 
@@ -70,5 +73,5 @@ def row_coefficients(grad_loss, grad_lse, valid, weights, lse, denominator, *, r
             1.0 - label_smoothing if smooth else 1.0, label_smoothing / V if smooth else 0.0, 2.0 * z_loss,
             HAS_GRAD_LOSS=grad_loss is not None, PER_ROW=per_row, MEAN=reduction == "mean",
             HAS_GRAD_LSE=grad_lse is not None, SMOOTH=smooth, HAS_Z=bool(z_loss), SPLIT=split, BLOCK=ROWS_BLOCK,
-            num_warps=4)
+            num_warps=4, enable_fp_fusion=False)
     return coef_s, coef_t, coef_u, lse_v
