@@ -239,6 +239,9 @@ def _worker(rank, world, init_file, out_dir, jobs, interpret):
     ranks; what fails is written to ``out_dir`` for the test (a rank's failures, with their labels)."""
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # (a rank that aborts in C++ prints its Python stacks to the test's stderr)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
