@@ -86,10 +86,8 @@ class Flags:
     interpret: bool = False  # rendering for the Triton interpreter
     walk_perm: bool = False  # forward walks the vocabulary in a given order (a previous call's sort)
     tile_map: bool = False  # forward records the per-(row, vocab tile) bound map for the backward
-    tile_list: bool = False  # backward launches only listed tiles; the target term is added outside
     tile_live: bool = False  # chunked backward: dead tiles of the live grid are written as zeros
     dead_unwritten: bool = False  # ... or not written at all (the tile products read live tiles only)
-    dc_window: bool = False  # tile backward: fp32 dC scratch of one vocabulary window (row = position - dc_lo)
     cast_c: bool = False  # C is wider than E (fp32 classifier, 16-bit e): its tiles are rounded to E's dtype
     c_local: bool = False  # C is a converted window of the classifier, addressed by walked position
     live_mass: bool = False  # chunked backward: each row's softmax mass in the computed tiles (atomics)
@@ -107,10 +105,8 @@ class Flags:
             "INTERPRET": self.interpret,
             "WALK_PERM": self.walk_perm,
             "TILE_MAP": self.tile_map,
-            "TILE_LIST": self.tile_list,
             "TILE_LIVE": self.tile_live,
             "DEAD_UNWRITTEN": self.dead_unwritten,
-            "DC_WINDOW": self.dc_window,
             "CAST_C": self.cast_c,
             "C_LOCAL": self.c_local,
             "LIVE_MASS": self.live_mass,

@@ -45,7 +45,7 @@ class CallProblem:
 class Option:
     """One strategy's answer for a call: its estimated ``cost`` (in matmuls of the shape), its peak
     ``extra_bytes``, whether it launches from the tile map, and its sizes (``BackwardPlan`` fields:
-    chunk_v, row_group, de_fp32, window_v, row_block, dc_fp32)."""
+    chunk_v, row_group, de_fp32, row_block, dc_fp32)."""
 
     cost: float
     extra_bytes: int
@@ -62,7 +62,6 @@ class BackwardPlan:
     chunk_v: int = 0  # chunked: vocabulary columns per chunk
     row_group: int = 0  # chunked: rows per block of g (0: all rows in one block)
     row_block: int = 0  # fused: rows per block of logits
-    window_v: int = 0  # tiles with a map: walked positions per fp32 dC window (0: one V x D scratch)
     de_fp32: bool = True  # chunked: dE accumulated in an fp32 buffer (else in dE's own dtype)
     dc_fp32: bool = False  # fused: a 16-bit dC summed over the blocks in an fp32 accumulator
     tile_products: bool = False  # chunked: dE and dC formed over the live tiles only (Triton), not by cuBLAS
@@ -84,8 +83,6 @@ class BackwardPlan:
                 parts.append(f"rows in groups of {self.row_group}")
             if self.tile_products:
                 parts.append("products by live tile")
-        if self.window_v:
-            parts.append(f"dC windows of {self.window_v}")
         if self.row_block:
             parts.append(f"blocks of {self.row_block} rows" + (", dC accumulated in fp32" if self.dc_fp32 else ""))
         if self.tiles:
@@ -107,8 +104,8 @@ class ForwardPlan:
     """What a call's forward does.
 
     ``walk``: the remembered vocabulary order the forward walks, recording the tile map the backward
-    launches from (None: the natural order, no map); ``sort``: the backward sorts the vocabulary (the
-    order of the classifier's next call), and ``remember_order`` keeps it; ``fused``: the plan of
+    launches from (None: the natural order, no map); ``sort``: the backward sorts the vocabulary and
+    remembers the order for the classifier's next call, whose forward walks it; ``fused``: the plan of
     gradients computed during the forward (None: the forward computes the LSE only);
     ``convert_classifier``: an fp32 classifier with 16-bit e is converted whole, once (it fits one
     conversion chunk), and every kernel reads the copy; else the forward converts ``convert_chunk``
@@ -118,7 +115,6 @@ class ForwardPlan:
 
     walk: Any = None  # (V,) int32 order, or None
     sort: bool = False
-    remember_order: bool = False
     fused: BackwardPlan | None = None
     convert_classifier: bool = False
     convert_chunk: int = 0
@@ -136,8 +132,7 @@ class CallPlan:
     ``filter_eps``: the call's filter (the variant's or the caller's; None: exact); ``run_eps``: the
     filter the backward's kernels apply (lowered by the accuracy check or the dropped-mass guard, None
     for an exact backward); ``order``: the vocabulary order the backward's kernels walk: "map" (the
-    order the forward walked, launched from its tile map), "sorted" (the order the backward sorted) or
-    "natural"; ``correction``: the (D,) fp32 direction of the dead-tile correction, or None;
+    order the forward walked, launched from its tile map) or "natural"; ``correction``: the (D,) fp32 direction of the dead-tile correction, or None;
     ``live``: the (row blocks, tiles) live grid, ``blocks``: a strategy's list of live blocks (the
     chunked strategy's (chunk, row group) blocks) and ``columns``: the host's count of live tiles in
     each tile column of the grid, all None without a map; ``pause``: the classifier's

@@ -62,6 +62,8 @@ class _Variant:
     """Knobs shared by every kernel."""
 
     kernel: ClassVar[str] = ""
+    # Knobs of earlier versions that no kernel reads any more: dropped when a variant is read.
+    RETIRED: ClassVar[tuple] = ()
     num_warps: int = 4
     num_stages: int = 2
 
@@ -100,6 +102,8 @@ class _Variant:
         kernel = data.pop("kernel", cls.kernel)
         if kernel != cls.kernel:
             raise VariantError(f"kernel={kernel!r}: expected {cls.kernel!r}")
+        for name in cls.RETIRED:
+            data.pop(name, None)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -223,18 +227,19 @@ class BackwardVariant(_TiledVariant):
       the live share the tile map measures, the cost model and the memory budget
       (:mod:`cce_autotune.planning.planner`); the name of a strategy of :mod:`cce_autotune.strategies`
       is honoured when it fits the budget.
-    - The knobs that only some strategies read: ``accum`` and ``num_locks`` (the tiles strategy:
-      ``"fp32"`` atomics into fp32 scratch, or ``"native"`` read-modify-write in the input dtype under
-      a pool of ``num_locks`` spin locks), ``chunk_v`` (the chunked strategy's widest chunk) and
+    - The knobs that only some strategies read: ``chunk_v`` (the chunked strategy's widest chunk) and
       ``out_block_d`` (the D width of the sparse strategy's dE / dC passes and of the chunked
       strategy's products by live tile); each strategy's module lists its own (``Strategy.knobs``).
+
+    ``accum`` and ``num_locks`` were the knobs of the tiles strategy, removed (it lost on the device
+    wherever the planner chose it); files of earlier versions that carry them still load
+    (``RETIRED``), the knobs dropped.
     """
 
     kernel: ClassVar[str] = "backward"
+    RETIRED: ClassVar[tuple] = ("accum", "num_locks")
     filter_eps: float | None = 2.0**-16
     sort_vocab: bool = True
-    accum: str = "fp32"
-    num_locks: int = 64
     strategy: str = "auto"
     chunk_v: int = 4096
     tile_map: bool = True
@@ -257,8 +262,6 @@ class BackwardVariant(_TiledVariant):
                 raise VariantError(f"filter_eps={self.filter_eps!r}: must be in (0, 1) or None (exact)")
         if not isinstance(self.sort_vocab, bool):
             raise VariantError(f"sort_vocab={self.sort_vocab!r}: must be true or false")
-        _check_choice("accum", self.accum, ("fp32", "native"))
-        _check_pow2("num_locks", self.num_locks, 1, 4096)
         _check_choice("strategy", self.strategy, ("auto", *strategies.names()))
         _check_pow2("out_block_d", self.out_block_d, 16, 256)
         _check_pow2("chunk_v", self.chunk_v, 16, 65536)

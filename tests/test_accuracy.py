@@ -365,14 +365,13 @@ def test_the_planner_weighs_the_corrected_filter_against_a_smaller_plain_one(che
                                                                               set_costs, planned):
     # Where the check's first passing filter needs the correction (only the chunked strategy takes it),
     # it goes on to the first filter that passes plain, and the planner runs whichever of the two its
-    # cost model prices lower: the tile kernel at the smaller filter, or the chunked one corrected.
-    # (On the H200, Gemma 2's head LM-like: 54.0 ms with tiles against 64.5 with the correction.)
+    # cost model prices lower: the sparse strategy at the smaller filter, or the chunked one corrected.
     e, c, t = _clustered()
     e, c, t = e.to(device), c.to(device), t.to(device)
     eps = 2.0**-6
     _, ref = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
     slow = dict(chunk_ms=100.0) if cheaper == "plain" else \
-        dict(tiles_per_live=1e3, sparse_per_live=1e3, chunk_ms=0.0, gather_chunk_ms=0.0)  # (no host time: tiny)
+        dict(sparse_per_live=1e3, chunk_ms=0.0, gather_chunk_ms=0.0)  # (no host time: tiny)
     set_costs(max_dropped=math.inf, pause_share=math.inf, **slow)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
 
@@ -399,7 +398,7 @@ def test_the_planner_weighs_the_corrected_filter_against_a_smaller_plain_one(che
     smaller = [x for x, (_, fixed) in measured.items() if x < eps and not fixed and measured[x][0] <= limit]
     assert smaller, measured  # ... and a smaller filter passes plain
     if cheaper == "plain":
-        assert call.run_eps == max(smaller) and call.correction is None and call.backward.strategy == "tiles"
+        assert call.run_eps == max(smaller) and call.correction is None and call.backward.strategy == "sparse"
     else:
         assert call.run_eps == eps and call.correction is not None and call.backward.strategy == "chunked"
     assert err < limit, (err, limit)
@@ -510,16 +509,15 @@ def test_a_call_that_reuses_a_verdict_reads_back_once(device, monkeypatch, set_c
 
 
 def test_first_and_paused_calls_filter_nothing(device, planned):
-    # Without a tile map nothing measures what a filter costs: the call runs exact (a tile kernel's own
-    # filter would skip tiles unchecked: dE 5.4e-2 at 2^-8).
+    # Without a tile map nothing measures what a filter costs (nor skips by it): the call runs exact.
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=0.3, seed=5, device=device)
-    tiles = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="tiles"))
-    exact = _mapped_call(e, c, t, tiles, filter_eps=None)
-    first = _mapped_call(e, c, t, tiles)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="auto"))
+    exact = _mapped_call(e, c, t, kv, filter_eps=None)
+    first = _mapped_call(e, c, t, kv)
     assert planned[-1].call.run_eps is None and "no tile map" in planned[-1].call.backward.reason
     assert rel_err(first, exact) < 1e-5  # exact both (float atomics may order sums differently on a GPU)
     memory.pause(c, 1)
-    paused = _mapped_call(e, c, t, tiles)
+    paused = _mapped_call(e, c, t, kv)
     assert planned[-1].call.run_eps is None and rel_err(paused, exact) < 1e-5
 
 

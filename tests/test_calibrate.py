@@ -20,7 +20,7 @@ def _measurement(true, B, V, D, live, live_chunks):
 
 
 def test_fit_recovers_the_coefficients_that_made_the_times():
-    true = costs.CostModel(forward=1.6, tiles_per_live=5.5, sparse_per_live=12.0, recompute=0.9,
+    true = costs.CostModel(forward=1.6, sparse_per_live=12.0, recompute=0.9,
                    products=2.6, flops_per_byte=240.0)
     ms = [_measurement(true, 8192, 256128, 2304, 0.12, 0.5), _measurement(true, 8192, 50257, 768, 0.45, 0.9)]
     got, notes = calibrate.fit(ms, base=costs.CostModel())
@@ -30,13 +30,13 @@ def test_fit_recovers_the_coefficients_that_made_the_times():
     assert math.isclose(got.matmul_tflops, true.matmul_tflops, rel_tol=0.01)
     assert len(notes) == 2 and "estimate vs measured" in notes[0]
     section = calibrate.to_section(got, "NVIDIA H200", ms)
-    assert section["tiles_per_live"] == got.tiles_per_live and "NVIDIA H200" in section["note"]
+    assert section["sparse_per_live"] == got.sparse_per_live and "NVIDIA H200" in section["note"]
 
 
 def test_fit_keeps_what_no_sample_informs_and_refuses_nothing_to_fit():
-    true = costs.CostModel(tiles_per_live=4.0)
+    true = costs.CostModel(recompute=1.6)
     m = _measurement(true, 4096, 32768, 4096, 0.3, 0.7)
-    m = replace(m, samples=tuple(s for s in m.samples if s.name in ("forward", "tiles")))
+    m = replace(m, samples=tuple(s for s in m.samples if s.name in ("forward", "chunked_exact")))
     got, notes = calibrate.fit([m], base=costs.CostModel())
     assert got.sparse_per_live == costs.CostModel().sparse_per_live
     assert any("no sample informs" in n and "sparse_per_live" in n for n in notes)
@@ -45,10 +45,10 @@ def test_fit_keeps_what_no_sample_informs_and_refuses_nothing_to_fit():
 
 
 def test_set_cost_model_overrides_the_file_in_process():
-    mine = costs.CostModel(tiles_per_live=3.25)
+    mine = costs.CostModel(sparse_per_live=3.25)
     costs.set_cost_model("h200", mine)
     try:
         assert dispatch.costs_for("h200") is mine
     finally:
         costs.set_cost_model("h200", None)
-    assert dispatch.costs_for("h200").tiles_per_live != 3.25 or costs.CostModel().tiles_per_live == 3.25
+    assert dispatch.costs_for("h200").sparse_per_live != 3.25 or costs.CostModel().sparse_per_live == 3.25

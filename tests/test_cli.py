@@ -115,18 +115,19 @@ def test_show_without_configs_and_with_a_broken_file(isolated, capsys):
 
 
 def test_render_prints_the_variant_source(capsys):
-    rc, out, _ = run(capsys, "render", "backward", "block_b=64", "filter_eps=none", "num_stages=2", "strategy=tiles")
+    rc, out, _ = run(capsys, "render", "backward", "block_b=64", "filter_eps=none", "sort_vocab=false", "num_stages=2",
+                     "strategy=sparse")
     assert rc == 0
-    assert "def cce_backward_kernel(" in out
+    assert "def cce_sparse_grad_kernel(" in out
     assert "BLOCK_B=64" in out and "FILTER_EPS=None" in out and "NUM_STAGES=2" in out
     # strategy=auto (the default) is decided per call by the planner: render says so in one line and
-    # shows the tiles strategy's kernel (the one the tiling knobs shape); strategy=chunked another
-    rc, out, err = run(capsys, "render", "backward", "filter_eps=none")
-    assert rc == 0 and "def cce_backward_kernel(" in out and "STRATEGY=tiles" in out
-    assert "cce_grad_chunk_kernel" not in out
+    # shows the chunked strategy's kernel (the one the tiling knobs shape); strategy=sparse another
+    rc, out, err = run(capsys, "render", "backward", "filter_eps=none", "sort_vocab=false")
+    assert rc == 0 and "def cce_grad_chunk_kernel(" in out and "STRATEGY=chunked" in out
+    assert "cce_sparse_grad_kernel" not in out
     notes = err.strip().splitlines()
-    assert len(notes) == 1 and "chosen per call" in notes[0] and "tiles" in notes[0]
-    assert "chunked, tiles, sparse, fused" in notes[0]  # the strategies strategy=NAME accepts
+    assert len(notes) == 1 and "chosen per call" in notes[0] and "rendering the chunked" in notes[0]
+    assert "chunked, sparse, fused)" in notes[0]  # the strategies strategy=NAME accepts
     rc, out, err = run(capsys, "render", "backward", "strategy=chunked")
     assert rc == 0 and "def cce_grad_chunk_kernel(" in out and "STRATEGY=chunked" in out and err == ""
     rc, out, _ = run(capsys, "render", "lse_forward", "merge=lock", "--bias", "--softcap")
@@ -173,7 +174,7 @@ def test_tune_on_an_activation_file_measures_the_costs_first(isolated, capsys, m
     # the coefficients the fake GPU follows, recovered by the calibration and saved for the dispatcher
     # (at this tiny head the chunked strategy is bound by its launches: recompute and products are
     # not informed and keep the defaults)
-    for name in ("forward", "tiles_per_live", "sparse_per_live"):
+    for name in ("forward", "sparse_per_live"):
         assert stored.cost_model[name] == pytest.approx(tune.FakeBackend.TRUE_COSTS[name], rel=0.05), name
     assert "fitted by cce-tune on NVIDIA H200" in stored.cost_model["note"]
 

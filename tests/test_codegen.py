@@ -25,8 +25,7 @@ from cce_autotune.variant import (
     variant_from_dict,
 )
 
-ALL = [IndexedDotVariant(), LSEForwardVariant(), LSEForwardVariant(merge="lock"), BackwardVariant(strategy="tiles"),
-       BackwardVariant(accum="native", filter_eps=None, sort_vocab=False, strategy="tiles"),
+ALL = [IndexedDotVariant(), LSEForwardVariant(), LSEForwardVariant(merge="lock"),
        BackwardVariant(strategy="chunked"), BackwardVariant(strategy="chunked", filter_eps=None, sort_vocab=False),
        BackwardVariant(strategy="sparse"), BackwardVariant(strategy="fused")]
 
@@ -44,10 +43,9 @@ def test_every_variant_renders_to_valid_python(variant, flags):
 
 
 def test_structural_switches_change_the_source():
-    plain = render_source(BackwardVariant(filter_eps=None, sort_vocab=False, accum="fp32", strategy="tiles"))
-    assert "if live:" not in plain and "Perm +" not in plain and "atomic_add(DE" in plain
-    filt = render_source(BackwardVariant(filter_eps=2**-12, sort_vocab=True, accum="native", strategy="tiles"))
-    assert "if live:" in filt and "Perm +" in filt and "atomic_cas" in filt
+    # The chunked kernel reads C's rows through the walked order only when the vocabulary is sorted.
+    natural = render_source(BackwardVariant(strategy="chunked", filter_eps=None, sort_vocab=False))
+    assert "Perm +" not in natural and "Perm +" in render_source(BackwardVariant(strategy="chunked"))
     assert "cce_tanh(" in render_source(LSEForwardVariant(), Flags(has_softcap=True))
     assert "cce_tanh(" not in render_source(LSEForwardVariant(), Flags())
     assert "input_precision=\"ieee\"" in render_source(LSEForwardVariant(), Flags(ieee_dot=True))
@@ -57,9 +55,6 @@ def test_structural_switches_change_the_source():
     # With the live grid of a tile map, dead tiles are written as zeros without recomputing them.
     mapped = render_source(BackwardVariant(strategy="chunked"), Flags(tile_live=True))
     assert "TileLive +" in mapped and "if live == 0:" in mapped
-    windowed = render_source(BackwardVariant(strategy="tiles"), Flags(dc_window=True))
-    assert "(pos - dc_lo)[:, None] * stride_dcv" in windowed
-    assert "(pos - dc_lo)" not in render_source(BackwardVariant(strategy="tiles"))
     fused = render_source(BackwardVariant(strategy="fused"), Flags(has_softcap=True))
     assert "def cce_fused_grad_kernel(" in fused and "p = p * (1.0 - t * t)" in fused and "onehot = coef * (1.0 - tz * tz)" in fused
     with pytest.raises(ValueError, match="strategy 'auto'"):
@@ -96,7 +91,7 @@ def test_variant_validation_and_roundtrip():
         (LSEForwardVariant, {"block_v": 100}, "block_v"),
         (LSEForwardVariant, {"merge": "atomic"}, "merge"),
         (BackwardVariant, {"filter_eps": 1.5}, "filter_eps"),
-        (BackwardVariant, {"accum": "fp16"}, "accum"),
+        (BackwardVariant, {"strategy": "tiles"}, "strategy"),
         (IndexedDotVariant, {"num_warps": 3}, "num_warps"),
         (BackwardVariant, {"block_b": 256, "block_v": 512, "num_warps": 4}, "accumulators per thread"),
         (LSEForwardVariant, {"block_b": 256, "block_v": 256, "block_d": 256, "num_stages": 4, "num_warps": 16}, "shared memory"),
@@ -106,6 +101,9 @@ def test_variant_validation_and_roundtrip():
             cls(**kw).validate()
     with pytest.raises(VariantError, match="unknown knob"):
         variant_from_dict({"kernel": "backward", "blok_b": 4})
+    # The removed tiles strategy's knobs, in a file of an earlier version: dropped, the rest read.
+    old = {**BackwardVariant(block_b=32).to_dict(), "accum": "native", "num_locks": 16}
+    assert variant_from_dict(old) == BackwardVariant(block_b=32)
 
 
 def test_changing_triton_interpret_after_import_is_explained(monkeypatch):

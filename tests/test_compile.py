@@ -72,7 +72,7 @@ def test_training_steps_do_not_recompile_and_keep_the_tile_map(device, set_costs
     # must survive compilation.
     e, c, t, _ = make_inputs((48,), 300, 32, torch.float32, peaked=2.0, device=device)
     c = c.clone().requires_grad_()
-    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-10, strategy="tiles"))
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-10, strategy="sparse"))
     prime_order(c, e, "sorted")
     # (No fixed costs: at this tiny size they would pause filtering on a GPU's cost model.)
     set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0)

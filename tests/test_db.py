@@ -146,27 +146,34 @@ def test_cost_model_section_is_validated_kept_by_saves_and_read_by_the_planner(i
     path = isolated["config"] / "a100.yaml"
     doc = _valid_doc()
     doc["gpu"] = "a100"
-    doc["cost_model"] = {"tiles_per_live": 6.5, "chunk_ms": 0.05, "measured_on": "2026-12-01"}
+    doc["cost_model"] = {"sparse_per_live": 6.5, "chunk_ms": 0.05, "measured_on": "2026-12-01"}
     path.write_text(yaml.safe_dump(doc))
-    assert db.load_file(path).cost_model["tiles_per_live"] == 6.5
+    assert db.load_file(path).cost_model["sparse_per_live"] == 6.5
     # Saving new entries keeps the section.
     db.save_entries(path, [make_entry(B=4096)], gpu="a100")
     assert db.load_file(path).cost_model == doc["cost_model"]
     # The planner takes the file's coefficients over the built-in ones, name by name.
     dispatch.clear_cache()
     costs = dispatch.costs_for("a100")
-    assert costs.tiles_per_live == 6.5 and costs.chunk_ms == 0.05
+    assert costs.sparse_per_live == 6.5 and costs.chunk_ms == 0.05
     assert costs.products == cost_models.CostModel().products
     assert dispatch.costs_for("b200") == cost_models.builtin("h200")  # no file: the built-in coefficients
     # Bad sections name the file and the field.
-    doc["cost_model"] = {"tiles_per_live": -1}
+    doc["cost_model"] = {"sparse_per_live": -1}
     path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(db.ConfigDBError, match=r"a100\.yaml.*cost_model\.tiles_per_live"):
+    with pytest.raises(db.ConfigDBError, match=r"a100\.yaml.*cost_model\.sparse_per_live"):
         db.load_file(path)
-    doc["cost_model"] = {"tiles_per_liv": 6.5}
+    doc["cost_model"] = {"sparse_per_liv": 6.5}
     path.write_text(yaml.safe_dump(doc))
-    with pytest.raises(db.ConfigDBError, match=r"a100\.yaml: cost_model: unknown coefficient\(s\) \['tiles_per_liv'\]"):
+    with pytest.raises(db.ConfigDBError, match=r"a100\.yaml: cost_model: unknown coefficient\(s\) \['sparse_per_liv'\]"):
         db.load_file(path)
+    # The coefficients of the removed tiles strategy, in a file of an earlier version: the file loads,
+    # they are dropped, and the planner takes the rest.
+    doc["cost_model"] = {"tiles_per_live": 7.955, "tiles_recompute": 1.2, "window_ms": 0.3, "chunk_ms": 0.07}
+    path.write_text(yaml.safe_dump(doc))
+    assert db.load_file(path).cost_model == {"chunk_ms": 0.07}
+    dispatch.clear_cache()
+    assert dispatch.costs_for("a100").chunk_ms == 0.07
 
 
 def test_shipped_h200_file_carries_the_cost_model():
@@ -290,7 +297,7 @@ def test_an_entry_with_a_filter_beyond_the_bound_is_skipped(tmp_path):
 BAD_COST_MODELS = [
     ({"matmul_tflops": 0}, r"cost_model\.matmul_tflops: expected a positive finite number, got 0"),
     ({"flops_per_byte": float("inf")}, r"cost_model\.flops_per_byte: expected a positive finite number"),
-    ({"tiles_per_live": 6.5, "tiles_per_bank": 2.0}, r"unknown coefficient\(s\) \['tiles_per_bank'\]"),
+    ({"sparse_per_live": 6.5, "sparse_per_bank": 2.0}, r"unknown coefficient\(s\) \['sparse_per_bank'\]"),
     ({"pause_calls": 1.5}, r"cost_model\.pause_calls: expected a positive integer, got 1\.5"),
     ({"row_group_min": 0}, r"cost_model\.row_group_min: expected a positive integer"),
     ({"fused_block_v": 1000}, r"cost_model\.fused_block_v: expected a power of two"),

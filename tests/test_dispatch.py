@@ -249,7 +249,7 @@ def test_a_coarse_filter_entry_is_not_used_at_run_time(isolated):
 # Issue 21 item 11, at run time: a cost_model section that does not validate (an unknown coefficient
 # of a newer file, a zero rate) is ignored with a warning: the loss runs on the built-in cost model and
 # the file's entries still apply.
-@pytest.mark.parametrize("section", [{"matmul_tflops": 0}, {"tiles_per_live": 6.5, "tiles_per_bank": 2.0},
+@pytest.mark.parametrize("section", [{"matmul_tflops": 0}, {"sparse_per_live": 6.5, "sparse_per_bank": 2.0},
                                      {"row_group_min": 0}], ids=["zero-rate", "unknown", "zero-count"])
 def test_a_bad_cost_model_section_warns_and_the_loss_runs(isolated, monkeypatch, section, device):
     from cce_autotune import linear_cross_entropy

@@ -149,8 +149,8 @@ def test_strategy_names_are_written_only_in_their_modules():
 def test_the_launch_paths_hold_pytorch_itself_once_it_is_used(device):
     # The strategies name torch through a stand-in that binds the module itself on first use: the
     # launch paths pay no indirection per call.
-    from cce_autotune.strategies import common, forward, tiles
+    from cce_autotune.strategies import common, forward
 
     e, c, t, _ = make_inputs((8,), 40, 16, torch.float32, device=device)
     linear_cross_entropy(e, c, t, impl="triton", variants=SMALL)
-    assert forward.torch is torch and common.torch is torch and tiles.torch is torch and chunked.torch is torch
+    assert forward.torch is torch and common.torch is torch and chunked.torch is torch

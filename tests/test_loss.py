@@ -362,7 +362,7 @@ def test_dispatched_variants_leave_the_strategy_to_the_planner(monkeypatch, devi
     from cce_autotune.configdb import dispatch
     from cce_autotune.runtime import ops
 
-    tuned = KernelVariants(backward=BackwardVariant(block_b=16, block_v=32, block_d=16, strategy="tiles"))
+    tuned = KernelVariants(backward=BackwardVariant(block_b=16, block_v=32, block_d=16, strategy="sparse"))
     monkeypatch.setattr(dispatch, "select_variants", lambda e, c, **kw: tuned)
     e, c, t, _ = make_inputs((20,), 64, 32, torch.float32, device=device)
     for eps in (None, "auto"):
@@ -370,7 +370,7 @@ def test_dispatched_variants_leave_the_strategy_to_the_planner(monkeypatch, devi
         assert dispatched.variants.backward.strategy == "auto"
         assert dispatched.variants.backward.block_b == 16  # the rest of the tuned entry is kept
     _, explicit = ops.start(e, c, t, None, None, Options(filter_eps=None, impl="triton", variants=tuned.to_dict()))
-    assert explicit.variants.backward.strategy == "tiles"
+    assert explicit.variants.backward.strategy == "sparse"
     out, (ge, gc) = grads_of(lambda e_, c_: linear_cross_entropy(e_, c_, t, filter_eps=None, impl="triton"), e, c)
     ref, (re, rc) = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
     assert rel_err(ge, re) < 1e-5 and rel_err(gc, rc) < 1e-5

@@ -99,7 +99,7 @@ def test_loss_terms_in_16_bit(impl, dtype, device):
     assert_within(res)
 
 
-@pytest.mark.parametrize("strategy", ["tiles", "chunked", "sparse"])
+@pytest.mark.parametrize("strategy", ["chunked", "sparse"])
 def test_loss_terms_with_filtering_and_a_tile_map(strategy, device):
     # Filtered, mapped backward: the smoothing term is added outside the kernels exactly; only the
     # softmax part is filtered (within the bound filter_eps implies).
@@ -165,12 +165,12 @@ def test_exact_chunked_strategy_runs_with_the_forwards_tiles(device):
         k: getattr(kv.lse_forward, k) for k in ("block_b", "block_v", "block_d", "group_b", "num_warps", "num_stages")}
 
 
-@pytest.mark.parametrize("strategy", ["tiles", "chunked", "sparse"])
+@pytest.mark.parametrize("strategy", ["chunked", "sparse"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_mixed_precision_fp32_classifier(dtype, strategy, device, set_costs, monkeypatch):
     # 16-bit e with the fp32 master classifier (and bias): dC and dbias come back in fp32, dE in e's
-    # dtype. C is converted to e's dtype a chunk at a time (here 2 tiles, so that several chunks and
-    # windows run) or its tiles in registers (sparse), as when its whole copy does not fit the memory
+    # dtype. C is converted to e's dtype a chunk at a time (here 2 tiles, so that several chunks
+    # run) or its tiles in registers (sparse), as when its whole copy does not fit the memory
     # budget (forced here: the small budget it would take would also change the strategy). Mapped
     # strategies included.
     from cce_autotune.planning import planner

@@ -1,6 +1,6 @@
 """The planner's decisions, recorded: the `cce-tune explain` grid and the plans, checks and results of a
 sequence of small calls, compared with files under tests/golden/ (first written before the runtime was
-reshaped, issue 20; rewritten for the intended changes of issue 22). A change that moves a plan shows
+reshaped, issue 20; rewritten for the intended changes of issue 22, the tiles strategy's removal among them). A change that moves a plan shows
 here as a diff.
 
 To rewrite the files after an intended change of behaviour: ``python tests/test_plans_unchanged.py --write``.
@@ -80,7 +80,6 @@ def _cases():
         "coarse": dict(variants=coarse),
         "coarse-flat": dict(variants=coarse, entropy=3.0),
         "medium": dict(variants=small.replace(backward=small.backward.replace(filter_eps=2.0**-10))),
-        "coarse-tiles": dict(variants=coarse.replace(backward=coarse.backward.replace(strategy="tiles"))),
         "coarse-sparse": dict(variants=coarse.replace(backward=coarse.backward.replace(strategy="sparse"))),
         "features": dict(variants=coarse, shift=1, ignore=True, bias=True, softcap=8.0, weights=True),
         "terms": dict(variants=coarse, label_smoothing=0.1, z_loss=1e-3, reduction="none"),
@@ -101,7 +100,7 @@ def _zero_fixed_costs():
     from cce_autotune.planning import costs
 
     saved = costs.BUILTIN["h200"]
-    costs.BUILTIN["h200"] = dict(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, block_ms=0.0, window_ms=0.0)
+    costs.BUILTIN["h200"] = dict(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, block_ms=0.0)
 
     def restore():
         costs.BUILTIN["h200"] = saved

@@ -168,8 +168,8 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
     render = argparse.ArgumentParser(
         prog="cce-tune render",
         description="Print the Triton source of a kernel variant, e.g. `cce-tune render backward block_b=64 "
-        "filter_eps=none`. The backward's strategy (the knob strategy=chunked|tiles|sparse|fused) is auto by "
-        "default: the planner chooses it per call (`cce-tune explain`); auto renders the tiles strategy's kernel.",
+        "filter_eps=none`. The backward's strategy (the knob strategy=chunked|sparse|fused) is auto by "
+        "default: the planner chooses it per call (`cce-tune explain`); auto renders the chunked strategy's kernel.",
     )
     render.add_argument("kernel", choices=list(KERNELS))
     render.add_argument("knobs", nargs="*", metavar="knob=value", help="knobs to change from the built-in default")
@@ -596,7 +596,7 @@ def _cmd_render(args, out, err) -> int:
         variant.validate(elem_bytes=4 if args.dtype == "fp32" else 2, smem_limit=None)
     except (VariantError, TypeError) as exc:
         raise _UsageError(f"{args.kernel}: {exc}") from None
-    if getattr(variant, "strategy", None) == "auto":  # decided per call by the planner: say so, render tiles
+    if getattr(variant, "strategy", None) == "auto":  # decided per call by the planner: say so, render chunked
         err.write(f"cce-tune render: note: the backward's strategy is auto, chosen per call by the planner "
                   f"(`cce-tune explain` shows which); rendering the {default_strategy()} strategy's kernel: "
                   f"strategy=NAME renders another ({', '.join(strategies.names())})\n")

@@ -19,7 +19,7 @@ from .. import strategies
 from ..strategies.base import Coefficient
 
 __all__ = ["COMMON", "CostModel", "coefficients", "builtin", "cost_model", "set_cost_model", "forget_overrides",
-           "BUILTIN", "TEXT_FIELDS", "check_section"]
+           "BUILTIN", "TEXT_FIELDS", "RETIRED", "check_section"]
 
 MiB = 2**20
 
@@ -62,6 +62,9 @@ def coefficients() -> dict:
 
 # Provenance strings a tuned-config file's cost_model section may carry beside the coefficients.
 TEXT_FIELDS = ("measured_on", "note")
+# Coefficients of strategies since removed (the tiles strategy's): a file of an earlier version that
+# carries them loads, the values ignored.
+RETIRED = ("tiles_per_live", "tiles_recompute", "window_ms")
 
 
 def check_section(section: Any, show: Callable[[Any], str] = repr) -> dict:
@@ -74,12 +77,14 @@ def check_section(section: Any, show: Callable[[Any], str] = repr) -> dict:
     if not isinstance(section, Mapping):
         raise ValueError(f"cost_model: expected a mapping of coefficient -> number, got {show(section)}")
     known = coefficients()
-    unknown = sorted(str(k) for k in section if k not in known and k not in TEXT_FIELDS)
+    unknown = sorted(str(k) for k in section if k not in known and k not in TEXT_FIELDS and k not in RETIRED)
     if unknown:
         raise ValueError(f"cost_model: unknown coefficient(s) {show(unknown)} (a file of a newer version?); "
                          f"known: {sorted(known)}")
     out = {}
     for name, v in section.items():
+        if name in RETIRED:
+            continue
         if name in TEXT_FIELDS:
             if not isinstance(v, str):
                 raise ValueError(f"cost_model.{name}: expected a string, got {show(v)}")
@@ -97,7 +102,7 @@ def check_section(section: Any, show: Callable[[Any], str] = repr) -> dict:
 
 
 class CostModel:
-    """The numbers of one GPU's cost model, by name (``costs.tiles_per_live``); immutable and hashable.
+    """The numbers of one GPU's cost model, by name (``costs.sparse_per_live``); immutable and hashable.
     ``CostModel(**values)`` takes the declared defaults for the names not given; an unknown name is a
     TypeError naming it."""
 
@@ -187,7 +192,7 @@ def cost_model(gpu: str | None, section: dict | None = None, path=None) -> CostM
     hit = _from_files.get(key)
     if hit is None:
         names = set(base.to_dict())
-        unknown = sorted(k for k in section if k not in names and k not in ("measured_on", "note"))
+        unknown = sorted(k for k in section if k not in names and k not in TEXT_FIELDS and k not in RETIRED)
         if unknown:
             raise ValueError(f"{path}: cost_model: unknown coefficient(s) {unknown}; known: {sorted(names)}")
         hit = base.replace(**{k: v for k, v in section.items() if k in names})

@@ -45,7 +45,7 @@ def report(plan, p, checked: str = "", call=None) -> None:
     mode = _mode()
     if not mode:
         return
-    key = (p.n, p.V, p.D, plan.strategy, plan.chunk_v, plan.row_group, plan.de_fp32, plan.window_v, plan.row_block,
+    key = (p.n, p.V, p.D, plan.strategy, plan.chunk_v, plan.row_group, plan.de_fp32, plan.row_block,
            plan.dc_fp32, plan.use_map, plan.filter_eps, checked)
     if mode != "all":
         with _seen_lock:

@@ -143,12 +143,12 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
     kv = plan.variants
     bw = kv.backward
     eps = plan.filter_eps
-    sort = needs_grad and bw.sort_vocab and eps is not None and p.n > 0
-    # With the tile map, the forward walks the order a previous backward left for this classifier
-    # and records where the live tiles are; when that backward found that filtering cannot pay, the
-    # classifier is paused and the gradients may be computed right here instead.
+    # With the tile map, the backward sorts the vocabulary for the classifier's next call, whose
+    # forward walks that order and records where the live tiles are; when a backward found that
+    # filtering cannot pay, the classifier is paused and the gradients may be computed right here instead.
+    sort = needs_grad and p.n > 0 and records_map(bw, eps)
     walk, paused = None, False
-    if sort and records_map(bw, eps):
+    if sort:
         paused = memory.take_pause(c)
         if not paused:
             walk = memory.order(c)
@@ -163,7 +163,7 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
     copy = plan.forward.convert_chunk
     if walk is not None and not copy:  # (a classifier converted in chunks is copied in the walked order already)
         copy = walk_copy(p, kv.lse_forward, call_budget(p, max_extra_memory, plan.forward.convert_classifier), costs)
-    forward = replace(plan.forward, walk=walk, sort=sort, remember_order=sort and bw.tile_map, fused=fused,
+    forward = replace(plan.forward, walk=walk, sort=sort, fused=fused,
                       paused=paused, convert_chunk=copy)
     out = replace(plan, forward=forward)
     if fused is not None:
@@ -399,12 +399,7 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
         eps = chosen.filter_eps  # lowered by the dropped-mass guard
     chosen = with_forward_tiles(chosen, kv)
     strategy = strategies.get(chosen.strategy)
-    if chosen.use_map:
-        order = "map"  # the live grid is in the order the forward walked
-    elif strategy.skips_without_map and plan.forward.sort and eps is not None:
-        order = "sorted"  # the kernel's own filter skips more in a sorted order
-    else:
-        order = "natural"
+    order = "map" if chosen.use_map else "natural"  # (the live grid is in the order the forward walked)
     # The correction was fitted to what the checked filter drops: not where the guard lowered it.
     correction = direction if chosen.use_map and strategy.takes_correction and chosen.filter_eps is None else None
     out = replace(plan, backward=chosen, run_eps=eps, order=order, correction=correction, live=live, blocks=blocks,
@@ -862,7 +857,7 @@ def _plan_backward(p: CallProblem, variant, has_map: bool, live, blocks, budget,
     sizes = opt.sizes
     return BackwardPlan(
         strategy=choice, use_map=opt.use_map, chunk_v=sizes.get("chunk_v", 0), row_group=sizes.get("row_group", 0),
-        de_fp32=sizes.get("de_fp32", True), window_v=sizes.get("window_v", 0), live=live if use_map else None,
+        de_fp32=sizes.get("de_fp32", True), live=live if use_map else None,
         tile_products=sizes.get("tile_products", False),
         live_chunks=sizes.get("live_chunks"), cost=opt.cost, extra_bytes=opt.extra_bytes, budget=budget, reason=why,
         alternatives=tuple(alternatives),

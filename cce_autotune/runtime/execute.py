@@ -18,7 +18,7 @@ from ..tile_map import sort_order
 from . import reference
 from .call import Call
 
-__all__ = ["CallState", "forward", "forward_reference", "vocabulary_order", "MapTargets", "map_targets", "backward",
+__all__ = ["CallState", "forward", "forward_reference", "sort_vocabulary", "MapTargets", "map_targets", "backward",
            "backward_reference",
            "reduce_loss", "add_uniform_term"]
 
@@ -185,17 +185,13 @@ def scale_(*tensors, factor) -> None:
             scale_in_place(t, factor)
 
 
-def vocabulary_order(plan: CallPlan, call: Call, e, c, bias):
-    """The vocabulary order the backward sorts by where the forward's plan says so (remembered for
-    the classifier's next forward, which walks it, where it says that too), else None. It needs
-    nothing the backward's planning reads back, so it is enqueued before that: its host time passes
-    while the device may still run the forward, not after the read-back, while the device waits."""
-    if not plan.forward.sort:
-        return None
-    order = sort_order(call.layout.take(e), c, bias, weights=call.valid)
-    if plan.forward.remember_order:
-        memory.remember_order(c, order)
-    return order
+def sort_vocabulary(plan: CallPlan, call: Call, e, c, bias) -> None:
+    """Where the forward's plan says so, sort the vocabulary by this call's average logit and remember
+    the order for the classifier's next forward, which walks it. It needs nothing the backward's
+    planning reads back, so it is enqueued before that: its host time passes while the device may
+    still run the forward, not after the read-back, while the device waits."""
+    if plan.forward.sort:
+        memory.remember_order(c, sort_order(call.layout.take(e), c, bias, weights=call.valid))
 
 
 class MapTargets:
@@ -229,15 +225,13 @@ def _positions(perm, targets):
 
 
 def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u, tile_map, csum=None,
-             order=None, at_map: MapTargets | None = None, classifier=None) -> tuple:
+             at_map: MapTargets | None = None, classifier=None) -> tuple:
     """``(dE, dC, dbias)`` on the kernels' path, as ``plan`` (complete: its backward planned) says;
-    ``lse`` is infinite where a row has no gradient; ``order``: :func:`vocabulary_order`'s;
+    ``lse`` is infinite where a row has no gradient;
     ``at_map``: :func:`map_targets`'s, where the call has a tile map (else computed here);
     ``classifier``: the forward's whole copy of c in e's dtype, where the plan converts it whole
     (else converted here)."""
     bw = plan.backward
-    if plan.forward.sort and order is None:
-        raise ValueError("order: the plan sorts the vocabulary; pass vocabulary_order(...)'s")
     if classifier is not None and (not plan.forward.convert_classifier or classifier.shape != c.shape
                                    or classifier.dtype != e.dtype):
         raise ValueError("classifier: the whole copy is given only for a plan that converts c whole, "
@@ -247,7 +241,7 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
     if scale is not None:
         coef_s, coef_t = coef_s * scale, coef_t * scale
         coef_u = coef_u * scale if coef_u is not None else None
-    perm = {"map": tile_map.perm if tile_map is not None else None, "sorted": order, "natural": None}[plan.order]
+    perm = tile_map.perm if plan.order == "map" and tile_map is not None else None
     if perm is not None and at_map is not None and perm is at_map.perm:
         target_pos = at_map.pos
     elif perm is not None:

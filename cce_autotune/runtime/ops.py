@@ -100,7 +100,7 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
         return execute.backward_reference(call, e, c, bias, lse_v, coef_s, coef_t, coef_u)
     tmap = state.tile_map if state is not None else None
     # (enqueued before the planner's read-back: see execute.MapTargets)
-    order = execute.vocabulary_order(plan, call, e, c, bias)
+    execute.sort_vocabulary(plan, call, e, c, bias)
     at_map = execute.map_targets(plan, call, tmap)
     ev = planner.Evidence(e=e, c=c, bias=bias, rows=call.rows, targets=call.targets, lse=lse_v, softcap=call.softcap,
                           tile_map=tmap, coef_s=coef_s, coef_t=coef_t, shards=shards)
@@ -108,7 +108,7 @@ def _backward(grad_loss, grad_lse, e, c, bias, targets, token_weights, lse_out, 
                                   fused_allowed=planner.fused_allowed(o, plan, c.dtype != e.dtype),
                                   max_extra_memory=o.max_extra_memory)
     return execute.backward(plan, call, e, c, bias, lse_v, coef_s, coef_t, coef_u, tmap,
-                            csum=state.csum if state is not None else None, order=order, at_map=at_map,
+                            csum=state.csum if state is not None else None, at_map=at_map,
                             classifier=state.classifier if state is not None else None)
 
 

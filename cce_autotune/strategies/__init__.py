@@ -21,7 +21,6 @@ __all__ = ["TABLE", "AUTO_RENDERS", "names", "get", "all_strategies", "register"
 # name -> module of this package
 TABLE = {
     "chunked": "chunked",
-    "tiles": "tiles",
     "sparse": "sparse",
     "fused": "fused",
 }
@@ -29,9 +28,9 @@ TABLE = {
 _lock = threading.Lock()
 _loaded: dict = {}
 # What ``cce-tune render backward`` shows for strategy="auto" (which the planner resolves per call):
-# the kernel that the backward variant's tiling knobs (block_b, block_v, group_b, accum, num_locks)
-# shape most directly.
-AUTO_RENDERS = "tiles"
+# the kernel that the backward variant's tiling knobs (block_b, block_v, block_d, group_b) shape most
+# directly: the chunked strategy's gradient kernel, which every dense plan within the budget runs.
+AUTO_RENDERS = "chunked"
 _registered: dict = {}  # strategies registered at run time (outside the package)
 _generation = [0]  # counts register/unregister calls: what a cache of plans keys on (see generation)
 

@@ -71,8 +71,6 @@ class Strategy:
     - ``knobs``: the BackwardVariant knobs only this strategy reads (the search space pins them when
       another strategy is asked for);
     - ``needs_map``: it can only run from the forward's tile map;
-    - ``skips_without_map``: its kernel's own filter skips tiles without a map (it runs in the sorted
-      order when there is one);
     - ``in_forward``: it computes the gradients during the forward (the backward only scales them);
     - ``deterministic``: its sums use no float atomics (the same bits every run);
     - ``takes_correction``: it can add the dead-tile correction;
@@ -91,7 +89,6 @@ class Strategy:
     kernel_function: str = ""
     knobs: tuple = ()
     needs_map: bool = False
-    skips_without_map: bool = False
     in_forward: bool = False
     deterministic: bool = False
     takes_correction: bool = False

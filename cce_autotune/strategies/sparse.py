@@ -35,14 +35,13 @@ class Sparse(Strategy):
                     integer=True),
     )
     space_rules = (
-        ("sparse_needs_the_map", "tile_map and accum == 'fp32'",
-         "the sparse strategy launches from the tile map (without one it is the tiles strategy) and accumulates "
-         "without atomics or locks"),
+        ("sparse_needs_the_map", "tile_map",
+         "the sparse strategy launches from the tile map"),
     )
     calibration = (("sparse", False),)
 
     def option(self, ctx: PlanContext) -> Option | None:
-        if not ctx.use_map or ctx.variant.accum != "fp32":
+        if not ctx.use_map:
             return None
         v = ctx.variant
         return Option(ctx.fixed + ctx.costs.sparse_per_live * ctx.live,

@@ -347,7 +347,7 @@ class FakeBackend(Backend):
         return self._smem
 
     # The coefficients this fake GPU follows (cce-tune measures them before tuning).
-    TRUE_COSTS = dict(forward=1.4, tiles_per_live=6.0, sparse_per_live=10.0, recompute=1.1, products=2.2)
+    TRUE_COSTS = dict(forward=1.4, sparse_per_live=10.0, recompute=1.1, products=2.2)
 
     def calibrate(self, problem: TuningProblem, log=None):
         from .calibrate import synthetic  # (lazy: the planner brings PyTorch)
@@ -405,7 +405,6 @@ class FakeBackend(Backend):
                     live = min(1.0, 0.04 * (2.0**-12 / v.filter_eps) ** 0.5)
                     live = live * 0.3 if v.sort_vocab else live
                 eff *= 1 + 2 * live + (0.05 if v.sort_vocab else 0.0)  # recompute + live dE/dC products
-                eff *= 0.97 if v.accum == "native" else 1.0
         jitter = 1 + 0.01 * (int(v.stable_hash()[:4], 16) / 0xFFFF - 0.5)
         return base * eff * jitter
 
