@@ -272,7 +272,7 @@ def _methods(include_peers: bool, softcap: float | None = None) -> list[Method]:
         Method("cce_autotune_exact", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, filter_eps=None)),
         # The same gradient bits every run (chunked or fused backward, no float atomics).
         Method("cce_autotune_deterministic", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, deterministic=True)),
-        # No memory budget: the planner may take the V x D fp32 scratch of the tile kernel, or large
+        # No memory budget: the planner may take the sparse strategy's buffer of live tiles, or large
         # logit blocks for the fused strategy (the speed that memory buys).
         Method("cce_autotune_unlimited", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, max_extra_memory=None)),
         # A mixed-precision loop's call: the fp32 master classifier, under autocast (16-bit e).

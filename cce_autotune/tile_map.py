@@ -10,7 +10,8 @@ tiling, an int8
 (eighths of a nat above the target logit, rounded up).  Once the LSE is known, row i's softmax in
 tile t is below ``filter_eps`` whenever ``q[t, i] / 8 < log(filter_eps) + lse_i - z_i,target``,
 so the backward need not even recompute a (row block x tile) whose rows all pass that test.  The
-target's own onehot term is added outside the tile kernel, so a target does not keep its tile live.
+target's own onehot term is added separately where its tile is not launched, so a target does not keep
+its tile live.
 The map costs one byte per (row, forward tile): ``n_rows * ceil(V / block_v)`` bytes.
 """
 

@@ -8,7 +8,7 @@ instead of cancelling. So the error is measured: :func:`check` takes rows spread
 recomputes their logits against the whole vocabulary (fp32 results, a vocabulary chunk at a time,
 chunks sized to the cost model's ``check_bytes``), marks the softmax terms in the tiles that the
 live grid of the forward's tile map skips at each candidate filter (:func:`map_dead`: exactly what
-every mapped strategy skips; the tile kernel's own filter is off when it launches from the map),
+every mapped strategy skips; no kernel filters by itself),
 and compares ``||dE_dropped||`` with ``||dE||`` over
 those rows (:func:`filter_errors`). The check costs two (rows x V x D) products per candidate
 measured.

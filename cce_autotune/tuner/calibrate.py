@@ -235,8 +235,8 @@ def measure(B: int, V: int, D: int, *, data: str = "lm", dtype: str = "bf16", se
 
         def fwbw():
             step()
-            # (no memory budget: the forced strategy runs, as the sparse and the exact tile strategies
-            # would not within the default one; the plan recorded says how it ran)
+            # (no memory budget: the forced strategy runs, as the sparse one would not within the
+            # default one; the plan recorded says how it ran)
             linear_cross_entropy(ee, cc, t, variants=kv, filter_eps=eps, max_extra_memory=None).backward()
 
         try:
