@@ -67,6 +67,12 @@ TEXT_FIELDS = ("measured_on", "note")
 RETIRED = ("tiles_per_live", "tiles_recompute", "window_ms")
 
 
+def _unknown(section: Mapping, known) -> list:
+    """The names of ``section`` that a cost_model section may not carry: neither a coefficient of
+    ``known``, nor one of :data:`TEXT_FIELDS`, nor one of :data:`RETIRED`."""
+    return sorted(str(k) for k in section if k not in known and k not in TEXT_FIELDS and k not in RETIRED)
+
+
 def check_section(section: Any, show: Callable[[Any], str] = repr) -> dict:
     """A tuned-config file's ``cost_model`` mapping, validated (ValueError naming the first problem,
     ``cost_model.<name>: ...``): every name a coefficient of :func:`coefficients` or one of
@@ -77,7 +83,7 @@ def check_section(section: Any, show: Callable[[Any], str] = repr) -> dict:
     if not isinstance(section, Mapping):
         raise ValueError(f"cost_model: expected a mapping of coefficient -> number, got {show(section)}")
     known = coefficients()
-    unknown = sorted(str(k) for k in section if k not in known and k not in TEXT_FIELDS and k not in RETIRED)
+    unknown = _unknown(section, known)
     if unknown:
         raise ValueError(f"cost_model: unknown coefficient(s) {show(unknown)} (a file of a newer version?); "
                          f"known: {sorted(known)}")
@@ -192,7 +198,7 @@ def cost_model(gpu: str | None, section: dict | None = None, path=None) -> CostM
     hit = _from_files.get(key)
     if hit is None:
         names = set(base.to_dict())
-        unknown = sorted(k for k in section if k not in names and k not in TEXT_FIELDS and k not in RETIRED)
+        unknown = _unknown(section, names)
         if unknown:
             raise ValueError(f"{path}: cost_model: unknown coefficient(s) {unknown}; known: {sorted(names)}")
         hit = base.replace(**{k: v for k, v in section.items() if k in names})
