@@ -131,8 +131,8 @@ class CallPlan:
 
     ``filter_eps``: the call's filter (the variant's or the caller's; None: exact); ``run_eps``: the
     filter the backward's kernels apply (lowered by the accuracy check or the dropped-mass guard, None
-    for an exact backward); ``order``: the vocabulary order the backward's kernels walk: "map" (the
-    order the forward walked, launched from its tile map) or "natural"; ``correction``: the (D,) fp32 direction of the dead-tile correction, or None;
+    for an exact backward; a mapped backward walks the order the forward walked, any other the natural
+    one); ``correction``: the (D,) fp32 direction of the dead-tile correction, or None;
     ``live``: the (row blocks, tiles) live grid, ``blocks``: a strategy's list of live blocks (the
     chunked strategy's (chunk, row group) blocks) and ``columns``: the host's count of live tiles in
     each tile column of the grid, all None without a map; ``pause``: the classifier's
@@ -146,7 +146,6 @@ class CallPlan:
     forward: ForwardPlan = field(default_factory=ForwardPlan)
     backward: BackwardPlan | None = None
     run_eps: float | None = None
-    order: str = "natural"
     correction: Any = None
     live: Any = None
     blocks: Any = None

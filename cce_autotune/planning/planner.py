@@ -399,10 +399,9 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
         eps = chosen.filter_eps  # lowered by the dropped-mass guard
     chosen = with_forward_tiles(chosen, kv)
     strategy = strategies.get(chosen.strategy)
-    order = "map" if chosen.use_map else "natural"  # (the live grid is in the order the forward walked)
     # The correction was fitted to what the checked filter drops: not where the guard lowered it.
     correction = direction if chosen.use_map and strategy.takes_correction and chosen.filter_eps is None else None
-    out = replace(plan, backward=chosen, run_eps=eps, order=order, correction=correction, live=live, blocks=blocks,
+    out = replace(plan, backward=chosen, run_eps=eps, correction=correction, live=live, blocks=blocks,
                   columns=columns, pause=pause_calls, checked=checked)
     explain.report(chosen, p, reported, call=out)
     return out

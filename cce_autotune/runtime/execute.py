@@ -241,7 +241,7 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
     if scale is not None:
         coef_s, coef_t = coef_s * scale, coef_t * scale
         coef_u = coef_u * scale if coef_u is not None else None
-    perm = tile_map.perm if plan.order == "map" and tile_map is not None else None
+    perm = tile_map.perm if bw.use_map and tile_map is not None else None  # (the order the forward walked)
     if perm is not None and at_map is not None and perm is at_map.perm:
         target_pos = at_map.pos
     elif perm is not None:
@@ -252,7 +252,7 @@ def backward(plan: CallPlan, call: Call, e, c, bias, lse, coef_s, coef_t, coef_u
     if plan.correction is not None and not (bw.use_map and strategy.takes_correction and not plan.deterministic):
         raise ValueError("plan: the dead-tile correction needs a mapped plan of a strategy that takes it "
                          "(not deterministic)")
-    if bw.use_map and (tile_map is None or plan.live is None or plan.run_eps is None or perm is not tile_map.perm):
+    if bw.use_map and (tile_map is None or plan.live is None or plan.run_eps is None):
         raise ValueError("plan: a mapped backward needs the tile map, its live grid, filtering and the order the "
                          "forward walked")
     variant = plan.variants.backward.replace(strategy=bw.strategy, filter_eps=plan.run_eps, sort_vocab=perm is not None,
