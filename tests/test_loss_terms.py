@@ -137,12 +137,12 @@ def test_exact_fused_strategy_sums_a_16_bit_dc_in_fp32(device):
     from cce_autotune.plans import CallProblem
     from cce_autotune.strategies import fused
 
-    e, c, t, b = make_inputs((64,), 200, 32, torch.float16, device=device)
-    p = CallProblem(n=64, n_all=64, V=200, D=32, elem=2, grad_bytes=2 * (64 + 200) * 32)
+    e, c, t, b = make_inputs((256,), 200, 32, torch.float16, device=device)
+    p = CallProblem(n=256, n_all=256, V=200, D=32, elem=2, grad_bytes=2 * (256 + 200) * 32)
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
     with explain.recording() as plans:
         res = compare(e, c, with_ignored(t), None, torch.float16, impl="triton", variants=kv,
-                      max_extra_memory=fused.extra_bytes(p, 16, dc_fp32=True))
+                      max_extra_memory=fused.extra_bytes(p, 16, kv.lse_forward.block_v, dc_fp32=True))
     assert_within(res)
     ran = [r.plan for r in plans if r.plan.strategy == "fused"]
     assert ran and all(x.dc_fp32 and x.row_block == 16 for x in ran)

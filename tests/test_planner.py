@@ -15,6 +15,7 @@ from cce_autotune.planning.filters import SUMMED_DC_BLOCKS
 from cce_autotune.plans import BackwardPlan, MiB
 from cce_autotune.plans import CallProblem as Problem
 from cce_autotune.strategies import chunked, forward, fused
+from cce_autotune.strategies.base import FORWARD_TILE_V
 from conftest import DEVICE
 from helpers import grads_of, make_inputs, rel_err, torch_loss, unwritten_is_nan
 from test_loss import SMALL, assert_within, run_case
@@ -328,20 +329,20 @@ def test_live_lists_hold_each_blocks_live_entries_first():
 @pytest.mark.parametrize("n", [100, 3000, 8192])
 @pytest.mark.parametrize("dense", [True, False])
 def test_fused_blocks_are_all_rows_or_the_largest_power_of_two_that_fits(n, dense):
-    # A block's row: g in e's dtype (2 bytes a logit, not fp32 logits' 4), one logit chunk of 4096
-    # columns in fp32 and two fp32 statistics for each of its 8 pieces of up to 4096 columns.
+    # A block's row: g in e's dtype (2 bytes a logit, not fp32 logits' 4) and two fp32 statistics for
+    # each of its 125 tiles of 256 columns (rows not dense: its rows of E and dE too); the fp32 dbias.
     p = Problem(n=n, n_all=n, V=32000, D=4096, elem=2, grad_bytes=0, dense_rows=dense)
-    assert fused.chunk_width(32000) == 4096 and fused.pieces(32000) == (1, 8) and fused.pieces(32000, 1024) == (4, 32)
-    row = 32000 * 2 + 4096 * 4 + 8 * 8
-    assert fused.extra_bytes(p, 16) == 16 * row + 4 * 32000 + (0 if dense else 16 * 2 * 4096 * 2)
-    assert fused.block_rows(p, None) == n
-    assert fused.block_rows(p, fused.extra_bytes(p, n)) == n
+    row = 32000 * 2 + 8 * 125
+    assert fused.extra_bytes(p, 16, 256) == 16 * row + 4 * 32000 + (0 if dense else 16 * 2 * 4096 * 2)
+    assert fused.extra_bytes(p, 16, 128) - fused.extra_bytes(p, 16, 256) == 16 * 8 * 125  # (250 tiles)
+    assert fused.block_rows(p, None, 256) == n
+    assert fused.block_rows(p, fused.extra_bytes(p, n, 256), 256) == n
     for budget in (176 * MiB, 50 * MiB, 10 * MiB):
-        R = fused.block_rows(p, budget)
-        assert fused.extra_bytes(p, R) <= budget
+        R = fused.block_rows(p, budget, 256)
+        assert fused.extra_bytes(p, R, 256) <= budget
         if R < n:
-            assert R >= 16 and R & (R - 1) == 0 and fused.extra_bytes(p, 2 * R) > budget
-    assert fused.block_rows(p, fused.extra_bytes(p, 15)) is None  # not even 16 rows
+            assert R >= 16 and R & (R - 1) == 0 and fused.extra_bytes(p, 2 * R, 256) > budget
+    assert fused.block_rows(p, fused.extra_bytes(p, 15, 256), 256) is None  # not even 16 rows
 
 
 def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
@@ -359,12 +360,14 @@ def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
     whole = plan_fused(p, v, paused=False, exact=True, allowed=True, max_extra_memory=None)
     assert whole.row_block == p.n and not whole.dc_fp32 and whole.reason.startswith("exact")
     p32 = replace(p, c_elem=4, grad_bytes=p.grad_bytes + 2 * p.V * p.D)
-    exact32 = plan_fused(p32, v, paused=False, exact=True, allowed=True, max_extra_memory=fused.extra_bytes(p32, 2048))
+    exact32 = plan_fused(p32, v, paused=False, exact=True, allowed=True, max_extra_memory=fused.extra_bytes(p32, 2048, FORWARD_TILE_V))
     assert exact32.row_block == 2048 and not exact32.dc_fp32
-    # Where the budget holds the accumulator beside a block, a 16-bit dC sums in it, exact or not.
-    room = 4 * p.V * p.D + fused.extra_bytes(p, 1024)
+    # Where the budget holds the accumulator beside a block, a 16-bit dC sums in it, exact or not (at
+    # D = 1024: at D = 4096 the accumulator is as large as a g of all 8192 rows).
+    pd = replace(p, D=1024)
+    room = 4 * pd.V * pd.D + fused.extra_bytes(pd, 1024, FORWARD_TILE_V)
     for exact in (False, True):
-        acc = plan_fused(p, v, paused=True, exact=exact, allowed=True, max_extra_memory=room)
+        acc = plan_fused(pd, v, paused=True, exact=exact, allowed=True, max_extra_memory=room)
         assert acc.dc_fp32 and acc.row_block == 1024 and acc.extra_bytes <= room
     # A default call sums a 16-bit dC in dC itself over at most SUMMED_DC_BLOCKS blocks (its rounding
     # error grows with their number): with more, even a variant that asks for the fused strategy runs
@@ -372,8 +375,8 @@ def test_fused_is_planned_only_when_allowed_paused_and_cheaper():
     k = SUMMED_DC_BLOCKS
     for blocks, fits in ((k, True), (2 * k, False)):
         R = 1 << (-(-p.n // blocks) - 1).bit_length()  # (a power of two: the fewest rows for that many blocks)
-        budget = fused.extra_bytes(p, R)
-        assert -(-p.n // fused.block_rows(p, budget)) <= blocks
+        budget = fused.extra_bytes(p, R, FORWARD_TILE_V)
+        assert -(-p.n // fused.block_rows(p, budget, FORWARD_TILE_V)) <= blocks
         for variant, paused in ((v, True), (v.replace(strategy="fused"), False)):
             got = plan_fused(p, variant, paused=paused, allowed=True, max_extra_memory=budget)
             assert (got is not None and not got.dc_fp32 and -(-p.n // got.row_block) <= k) if fits else got is None
@@ -586,15 +589,16 @@ def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(dtype, device, mo
 
 @pytest.mark.parametrize("dtype, features", [(torch.float32, "plain"), (torch.bfloat16, "plain"),
                                              (torch.bfloat16, "bias+softcap"), (torch.float16, "bias+softcap")], ids=str)
-def test_fused_blocks_chunks_and_pieces_against_float64(dtype, features, device):
-    # The fused forward alone: 24 gathered rows in blocks of 16, 700 columns in logit chunks of 256
-    # (the last of 188) and pieces of 64 columns (4 a chunk, the last chunk's last of 60), each piece
-    # with its own maximum; LSE, target logits, dE, dC, dbias against float64. Unfilled buffers are NaN.
+def test_fused_blocks_tiles_and_pieces_against_float64(dtype, features, device):
+    # The fused forward alone: 24 gathered rows in blocks of 16 (the second of 8), 700 columns in
+    # logit tiles of 64 (the last of 60, each with its own maximum; D = 24 in steps of 16, the last
+    # half masked) and rescaled in pieces of 128 columns (two tiles each); LSE, target logits, dE, dC,
+    # dbias against float64. Unfilled buffers are NaN.
     from cce_autotune.strategies.common import RowLayout
 
     full = features != "plain"
     V, D, n_all = 700, 24, 30
-    assert fused.chunk_width(V) == 256 and fused.pieces(V, 64) == (4, 11)
+    variant, tiles = BackwardVariant(), LSEForwardVariant(block_b=16, block_v=64, block_d=16, group_b=2)
     e, c, _, b = make_inputs((n_all,), V, D, dtype, bias=full, peaked=1.0, device=device)
     g = torch.Generator().manual_seed(1)
     rows = torch.randperm(n_all, generator=g)[:24].sort().values.to(device)
@@ -605,8 +609,8 @@ def test_fused_blocks_chunks_and_pieces_against_float64(dtype, features, device)
     layout = RowLayout(offsets=rows * D, de_offsets=rows * D)
     plan = BackwardPlan(strategy="fused", use_map=False, row_block=16)
     with unwritten_is_nan():
-        lse, zt, de, dc, db = fused.STRATEGY.run_forward(e, c, b, layout, t, coef, cap, BackwardVariant(), plan,
-                                                         block_v=64)
+        lse, zt, de, dc, db = fused.STRATEGY.run_forward(e, c, b, layout, t, coef, cap, variant, plan, tiles=tiles,
+                                                         block_v=128)
     e64, c64 = e.double()[rows], c.double()
     z = e64 @ c64.T + (b.double() if full else 0)
     if full:

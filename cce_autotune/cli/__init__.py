@@ -508,10 +508,12 @@ def _cmd_explain(args, out, err) -> int:
                                           budget=budget, costs=costs, exact=True)
             first = planner.with_forward_tiles(first, kv)
             out.write(f"  first call: {first.describe()}\n")
-            exact = planner.plan_fused(p, bw, paused=False, exact=True, allowed=True, budget=budget, costs=costs)
+            exact = planner.plan_fused(p, bw, paused=False, exact=True, allowed=True, budget=budget, costs=costs,
+                                       tile_v=kv.lse_forward.block_v)
             out.write(f"  exact: {exact.describe() if exact is not None else 'as the first call'}\n")
             unfiltered = planner.unfiltered_cost(p, bw, budget, costs, fused_allowed=True)
-            fused = planner.plan_fused(p, bw, paused=True, allowed=True, budget=budget, costs=costs)
+            fused = planner.plan_fused(p, bw, paused=True, allowed=True, budget=budget, costs=costs,
+                                       tile_v=kv.lse_forward.block_v)
             for live in args.live:
                 # Each strategy's live blocks for a random spread of the live tiles.
                 ctx = PlanContext(problem=p, variant=bw, costs=costs, budget=budget, use_map=True, live=live,

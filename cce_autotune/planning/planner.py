@@ -33,7 +33,7 @@ from .. import memory, strategies
 from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import interpreting
 from ..plans import BackwardPlan, CallPlan, CallProblem, ForwardPlan
-from ..strategies.base import PlanContext, mm_ms
+from ..strategies.base import FORWARD_TILE_V, PlanContext, mm_ms
 from ..strategies.forward import convert_width
 from ..tile_map import dropped_share, live_grid
 from . import accuracy, explain, filters
@@ -156,7 +156,8 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
     asks_forward = bw.strategy != "auto" and strategies.get(bw.strategy).in_forward
     if needs_grad and p.n > 0 and (paused or eps is None or asks_forward):
         fused = plan_fused(p, bw, paused=paused, exact=eps is None, allowed=fused_allowed,
-                           budget=call_budget(p, max_extra_memory, plan.forward.convert_classifier), costs=costs)
+                           budget=call_budget(p, max_extra_memory, plan.forward.convert_classifier), costs=costs,
+                           tile_v=kv.lse_forward.block_v)
     if fused is not None or paused:
         sort = False  # (paused: the planner found filtering cannot pay for this classifier now)
         walk = None
@@ -188,7 +189,7 @@ def walk_copy(p: CallProblem, variant, budget: int | None, costs) -> int:
 
 
 def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: bool = False, budget: int | None,
-               costs) -> BackwardPlan | None:
+               costs, tile_v: int = FORWARD_TILE_V) -> BackwardPlan | None:
     """The plan of gradients computed in the forward when it is the one to run, else None (the
     forward computes the LSE and the backward is planned when it runs).
 
@@ -199,7 +200,8 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: b
     ``fused_min_rows`` rows (or all rows) and beat the forward plus the exact backward by the cost
     model, unless the variant asks for it. A 16-bit dC without room for its fp32 accumulator is summed
     over at most :data:`~cce_autotune.planning.filters.SUMMED_DC_BLOCKS` blocks (the accuracy of a
-    default call), over none in an exact call, whatever the variant asks."""
+    default call), over none in an exact call, whatever the variant asks. ``tile_v``: the columns of
+    the forward's logit tiles (its LSE variant's ``block_v``), which the strategy's statistics follow."""
     if not allowed:
         return None
     if variant.strategy != "auto":
@@ -214,7 +216,7 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: b
             return None
     else:
         return None
-    opt = chosen.forward_option(p, costs, budget, forced=forced,
+    opt = chosen.forward_option(p, costs, budget, forced=forced, tile_v=tile_v,
                                 summed_blocks=1 if exact else filters.SUMMED_DC_BLOCKS)
     if opt is None:
         return None

@@ -17,7 +17,12 @@ from ..plans import CallProblem, Option
 if TYPE_CHECKING:  # (types only: the launch helpers import PyTorch)
     from .common import BackwardArgs
 
-__all__ = ["Coefficient", "PlanContext", "Strategy", "mm_ms", "map_overhead"]
+__all__ = ["FORWARD_TILE_V", "Coefficient", "PlanContext", "Strategy", "mm_ms", "map_overhead"]
+
+
+FORWARD_TILE_V = 128
+"""The forward's logit tiles' width where a plan is estimated without the call's variants (the
+pause rule's estimate of an unfiltered call): the tiled variants' default ``block_v``."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,11 @@ class Strategy:
         return True
 
     def forward_option(self, p: CallProblem, costs, budget: int | None, forced: bool = False,
-                       summed_blocks: int = 1) -> Option | None:
+                       summed_blocks: int = 1, tile_v: int = FORWARD_TILE_V) -> Option | None:
         """(``in_forward`` strategies) The estimate of forward and backward together (None: it cannot
         run for the call, or, unless ``forced``, should not; ``summed_blocks``: the most blocks of
-        rows a 16-bit dC may be summed over in its own dtype, which the call's accuracy allows)."""
+        rows a 16-bit dC may be summed over in its own dtype, which the call's accuracy allows;
+        ``tile_v``: the columns of the forward's logit tiles, its LSE variant's ``block_v``)."""
         return None
 
     def blocks(self, live, ctx: PlanContext):
