@@ -46,7 +46,7 @@ def report(plan, p, checked: str = "", call=None) -> None:
     if not mode:
         return
     key = (p.n, p.V, p.D, plan.strategy, plan.chunk_v, plan.row_group, plan.de_fp32, plan.row_block,
-           plan.dc_fp32, plan.use_map, plan.filter_eps, checked)
+           plan.dc_fp32, plan.tile_products, plan.use_map, plan.filter_eps, checked)
     if mode != "all":
         with _seen_lock:
             if key in _seen:
