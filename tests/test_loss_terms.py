@@ -33,11 +33,18 @@ def terms_loss(e, c, t, b=None, *, softcap=None, reduction="mean", shift=0, labe
     return row.sum() if reduction == "sum" else row.sum() / w.sum()
 
 
-def compare(e, c, t, b, dtype, *, impl, variants=SMALL, filter_eps=None, max_extra_memory="auto", **kw):
+def compare(e, c, t, b, dtype, *, impl, variants=SMALL, filter_eps=None, max_extra_memory="auto", walk=None, **kw):
     """(err, tol) of the loss and each gradient, and checks the gradients' dtypes (e's for dE, the
-    classifier's and bias's own for dC, dbias)."""
-    ours = lambda e_, c_, b_: linear_cross_entropy(e_, c_, t, b_, impl=impl, variants=variants, filter_eps=filter_eps,
-                                                   max_extra_memory=max_extra_memory, **kw)
+    classifier's and bias's own for dC, dbias). ``walk``: an order remembered for the classifier the
+    call gets (a copy of ``c``: see ``prime_order``) first, as a previous training step would leave
+    one, so that variants with a tile map take their map path."""
+
+    def ours(e_, c_, b_):
+        if walk is not None:
+            prime_order(c_, e_, walk)
+        return linear_cross_entropy(e_, c_, t, b_, impl=impl, variants=variants, filter_eps=filter_eps,
+                                    max_extra_memory=max_extra_memory, **kw)
+
     out, g_ours = grads_of(ours, e, c, b)
     d64 = lambda x: x.double() if x is not None else None
     # The oracle differentiates the classifier as the kernels use it: rounded to e's dtype when wider.
@@ -106,9 +113,8 @@ def test_loss_terms_with_filtering_and_a_tile_map(strategy, device):
     e, c, t, b = make_inputs((61,), 300, 45, torch.float32, bias=True, peaked=2.0, device=device)
     t = with_ignored(t)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(strategy=strategy, filter_eps=2.0**-10))
-    prime_order(c, e, "sorted")
-    res = compare(e, c, t, b, torch.float32, impl="triton", variants=kv, filter_eps="auto", label_smoothing=0.1,
-                  token_weights=weights_for(t), z_loss=0.01)
+    res = compare(e, c, t, b, torch.float32, impl="triton", variants=kv, filter_eps="auto", walk="sorted",
+                  label_smoothing=0.1, token_weights=weights_for(t), z_loss=0.01)
     bound_de, bound_dc = filtered_bound(e, c, t, b, kv.backward.filter_eps)
     res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
     res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
@@ -173,7 +179,7 @@ def test_mixed_precision_fp32_classifier(dtype, strategy, device, set_costs, mon
     # run) or its tiles in registers (sparse), as when its whole copy does not fit the memory
     # budget (forced here: the small budget it would take would also change the strategy). Mapped
     # strategies included.
-    from cce_autotune.planning import planner
+    from cce_autotune.planning import explain, planner
 
     monkeypatch.setattr(planner, "_converts", lambda *a: False)
     set_costs(convert_bytes=2 * 32 * 45 * 2)
@@ -181,10 +187,11 @@ def test_mixed_precision_fp32_classifier(dtype, strategy, device, set_costs, mon
     _, c, _, b = make_inputs((3, 17), 300, 45, torch.float32, bias=True, device=device)
     t = with_ignored(t)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(strategy=strategy, filter_eps=1e-30))
-    prime_order(c, e, "sorted")
-    for _ in range(2):  # the second call walks the remembered order and launches from the map
-        res = compare(e, c, t, b, dtype, impl="triton", variants=kv, filter_eps="auto", softcap=10.0, shift=1)
-        assert_within(res)
+    with explain.recording() as plans:
+        res = compare(e, c, t, b, dtype, impl="triton", variants=kv, filter_eps="auto", walk="sorted", softcap=10.0,
+                      shift=1)
+    assert_within(res)
+    assert [r.plan.strategy for r in plans] == [strategy] and plans[0].plan.use_map  # (the walk records the map)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
