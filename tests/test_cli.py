@@ -436,6 +436,31 @@ def test_explain_and_show_without_a_gpu_say_which_gpu_they_plan_for(isolated, ca
     assert rc == 0 and err == "" and "GPU a100, bf16" in out
 
 
+def test_explain_plans_an_fp32_classifier_as_a_mixed_precision_loop_calls_it(isolated, capsys):
+    # --classifier fp32: dC in fp32 and the copy in e's dtype made once where it fits (its bytes
+    # counted in the default budget and held outside what the strategies get), as plan_call does.
+    from cce_autotune.planning import planner
+    from cce_autotune.plans import CallProblem, MiB
+
+    args = ("explain", "--gpu", "h200", "--vocab", "50000", "--hidden", "2048", "--tokens", "8192", "--live", "1")
+    rc, same, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    rc, mixed, err = run_cli(capsys, *args, "--classifier", "fp32")
+    assert rc == 0, err
+    p = CallProblem(n=8192, n_all=8192, V=50000, D=2048, elem=2, grad_bytes=2 * 8192 * 2048 + 4 * 50000 * 2048,
+                    c_elem=4, cast_bytes=50000 * 2048 * 2)
+    assert planner.converts_whole(p, "auto")
+    budget = planner.call_budget(p, "auto", converted=True)
+    head = mixed.splitlines()[0]
+    assert f"memory budget {budget / MiB:.0f} MiB, fp32 classifier: its 195 MiB copy in bf16 made once (held" in head
+    assert "fp32 classifier" not in same.splitlines()[0] and same != mixed
+    assert "  exact: backward fused" in mixed  # (an fp32 dC sums the blocks without rounding: exact may fuse)
+    # Too small a budget for the copy: converted a chunk at a time, and no fused plan (it reads the copy).
+    rc, small, err = run_cli(capsys, *args, "--classifier", "fp32", "--max-extra-memory", "64MiB")
+    assert rc == 0, err
+    assert "does not fit: converted a chunk at a time" in small and "fused" not in small
+
+
 def test_merge_leaves_no_lock_file_beside_the_output(isolated, capsys):
     from conftest_tune import make_entry
 

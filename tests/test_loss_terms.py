@@ -181,7 +181,7 @@ def test_mixed_precision_fp32_classifier(dtype, strategy, device, set_costs, mon
     # strategies included.
     from cce_autotune.planning import explain, planner
 
-    monkeypatch.setattr(planner, "_converts", lambda *a: False)
+    monkeypatch.setattr(planner, "converts_whole", lambda *a: False)
     set_costs(convert_bytes=2 * 32 * 45 * 2)
     e, _, t, _ = make_inputs((3, 17), 300, 45, dtype, device=device)
     _, c, _, b = make_inputs((3, 17), 300, 45, torch.float32, bias=True, device=device)

@@ -219,7 +219,7 @@ def test_products_by_live_tile_match_cublas_products(converted, every_row, devic
     from cce_autotune.planning import planner
 
     if converted:
-        monkeypatch.setattr(planner, "_converts", lambda *a: False)  # (a chunk at a time, not the whole copy)
+        monkeypatch.setattr(planner, "converts_whole", lambda *a: False)  # (a chunk at a time, not the whole copy)
     set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, pause_share=float("inf"))
     e, c, t, b = make_inputs((3, 29), 1000, 45, torch.bfloat16, bias=True, peaked=2.0, device=device)
     if converted:

@@ -189,6 +189,9 @@ def build_parsers() -> dict[str, argparse.ArgumentParser]:
                          help="live-tile shares to plan for, in (0, 1] (default 0.05,0.25,0.5,1)")
     explain.add_argument("--max-extra-memory", default="auto", metavar="SIZE",
                          help="the memory budget: auto (default), none, a byte count or e.g. 2GiB")
+    explain.add_argument("--classifier", choices=("same", "fp32"), default="same",
+                         help="fp32: the classifier is an fp32 master weight with 16-bit e (a mixed-precision "
+                         "loop's lm_head under autocast): dC in fp32, and its copy in e's dtype counted")
     report = argparse.ArgumentParser(
         prog="cce-tune report",
         description="Report on a GPU's tuning studies: a PNG per study (trial history, best so far, failed / "
@@ -497,22 +500,30 @@ def _cmd_explain(args, out, err) -> int:
             kv = dispatch.explain(gpu, dtype, B, V, D, args.bias, args.softcap).variants
             bw = kv.backward.replace(strategy="auto")
             elem = 4 if dtype == "fp32" else 2
-            grads = elem * (B + V) * D + (elem * V if args.bias else 0)
+            c_elem = 4 if args.classifier == "fp32" else elem  # (an fp32 classifier: dC and dbias in fp32 too)
+            grads = elem * B * D + c_elem * V * D + (c_elem * V if args.bias else 0)
             p = CallProblem(n=B, n_all=B, V=V, D=D, elem=elem, grad_bytes=grads, sorted_vocab=True,
-                            map_bytes=B * -(-V // 256))
-            budget = planner.call_budget(p, args.max_extra_memory, converted=False)
+                            map_bytes=B * -(-V // 256), c_elem=c_elem,
+                            cast_bytes=V * D * elem if c_elem != elem else 0)
+            whole = planner.converts_whole(p, args.max_extra_memory)
+            budget = planner.call_budget(p, args.max_extra_memory, converted=whole)
             shown = "unlimited" if budget is None else f"{budget / MiB:.0f} MiB"
-            out.write(f"GPU {gpu}, {dtype}, B={B}, V={V}, D={D}: memory budget {shown}; one matmul of the shape "
+            cast = ""
+            if p.cast_bytes:
+                cast = (f", fp32 classifier: its {p.cast_bytes / MiB:.0f} MiB copy in {dtype} made once"
+                        f"{' (held, outside the budget shown)' if whole else ' - does not fit: converted a chunk at a time'}")
+            out.write(f"GPU {gpu}, {dtype}, B={B}, V={V}, D={D}: memory budget {shown}{cast}; one matmul of the shape "
                       f"is about {mm_ms(p, costs):.2f} ms\n")
             first = planner.plan_backward(replace(p, sorted_vocab=False, map_bytes=0), bw, has_map=False,
                                           budget=budget, costs=costs, exact=True)
             first = planner.with_forward_tiles(first, kv)
             out.write(f"  first call: {first.describe()}\n")
-            exact = planner.plan_fused(p, bw, paused=False, exact=True, allowed=True, budget=budget, costs=costs,
+            fusable = whole or not p.cast_bytes  # (see planner.fused_allowed)
+            exact = planner.plan_fused(p, bw, paused=False, exact=True, allowed=fusable, budget=budget, costs=costs,
                                        tile_v=kv.lse_forward.block_v)
             out.write(f"  exact: {exact.describe() if exact is not None else 'as the first call'}\n")
-            unfiltered = planner.unfiltered_cost(p, bw, budget, costs, fused_allowed=True)
-            fused = planner.plan_fused(p, bw, paused=True, allowed=True, budget=budget, costs=costs,
+            unfiltered = planner.unfiltered_cost(p, bw, budget, costs, fused_allowed=fusable)
+            fused = planner.plan_fused(p, bw, paused=True, allowed=fusable, budget=budget, costs=costs,
                                        tile_v=kv.lse_forward.block_v)
             for live in args.live:
                 # Each strategy's live blocks for a random spread of the live tiles.

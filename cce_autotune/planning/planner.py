@@ -40,7 +40,7 @@ from . import accuracy, explain, filters
 from .budget import memory_budget
 
 __all__ = ["choose_impl", "plan_call", "plan_forward", "plan_gradients", "plan_backward", "plan_fused",
-           "fused_allowed", "records_map", "call_budget", "with_forward_tiles", "check_filter", "fingerprint", "fingerprint_tensor", "decide", "decide_unread", "Decision", "Measurement", "Fingerprint", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
+           "fused_allowed", "records_map", "converts_whole", "call_budget", "with_forward_tiles", "check_filter", "fingerprint", "fingerprint_tensor", "decide", "decide_unread", "Decision", "Measurement", "Fingerprint", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
 
 
 # -- 1. the call ----------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = 
             if kv.backward.strategy != "auto" and not strategies.get(kv.backward.strategy).deterministic:
                 kv = kv.replace(backward=kv.backward.replace(strategy="auto"))
         if p is not None:
-            whole = _converts(p, o.max_extra_memory)
+            whole = converts_whole(p, o.max_extra_memory)
             forward = ForwardPlan(
                 convert_classifier=whole,
                 convert_chunk=convert_width(p.V, p.D, kv.lse_forward.block_v, p.elem, costs.convert_bytes)
@@ -98,7 +98,7 @@ def plan_call(o, impl: str, variants, dispatched: bool, p: CallProblem | None = 
                     costs=costs)
 
 
-def _converts(p: CallProblem, max_extra_memory) -> bool:
+def converts_whole(p: CallProblem, max_extra_memory) -> bool:
     """Whether a classifier of another dtype than e is converted whole, once: when its copy fits the
     memory budget (the default budget allows it: autocast holds the same copy for PyTorch's path)."""
     if not p.cast_bytes:
