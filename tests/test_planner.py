@@ -598,7 +598,7 @@ def test_fused_blocks_tiles_and_pieces_against_float64(dtype, features, device):
 
     full = features != "plain"
     V, D, n_all = 700, 24, 30
-    variant, tiles = BackwardVariant(), LSEForwardVariant(block_b=16, block_v=64, block_d=16, group_b=2)
+    variant = BackwardVariant(block_b=16, block_v=64, block_d=16, group_b=2)  # (the plan's tiles: the forward's)
     e, c, _, b = make_inputs((n_all,), V, D, dtype, bias=full, peaked=1.0, device=device)
     g = torch.Generator().manual_seed(1)
     rows = torch.randperm(n_all, generator=g)[:24].sort().values.to(device)
@@ -609,8 +609,7 @@ def test_fused_blocks_tiles_and_pieces_against_float64(dtype, features, device):
     layout = RowLayout(offsets=rows * D, de_offsets=rows * D)
     plan = BackwardPlan(strategy="fused", use_map=False, row_block=16)
     with unwritten_is_nan():
-        lse, zt, de, dc, db = fused.STRATEGY.run_forward(e, c, b, layout, t, coef, cap, variant, plan, tiles=tiles,
-                                                         block_v=128)
+        lse, zt, de, dc, db = fused.STRATEGY.run_forward(e, c, b, layout, t, coef, cap, variant, plan, block_v=128)
     e64, c64 = e.double()[rows], c.double()
     z = e64 @ c64.T + (b.double() if full else 0)
     if full:

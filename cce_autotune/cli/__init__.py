@@ -525,6 +525,7 @@ def _cmd_explain(args, out, err) -> int:
             unfiltered = planner.unfiltered_cost(p, bw, budget, costs, fused_allowed=fusable)
             fused = planner.plan_fused(p, bw, paused=True, allowed=fusable, budget=budget, costs=costs,
                                        tile_v=kv.lse_forward.block_v)
+            exact, fused = (planner.with_forward_tiles(x, kv) if x is not None else None for x in (exact, fused))
             for live in args.live:
                 # Each strategy's live blocks for a random spread of the live tiles.
                 ctx = PlanContext(problem=p, variant=bw, costs=costs, budget=budget, use_map=True, live=live,

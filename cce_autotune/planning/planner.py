@@ -158,6 +158,8 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
         fused = plan_fused(p, bw, paused=paused, exact=eps is None, allowed=fused_allowed,
                            budget=call_budget(p, max_extra_memory, plan.forward.convert_classifier), costs=costs,
                            tile_v=kv.lse_forward.block_v)
+        if fused is not None:
+            fused = with_forward_tiles(fused, kv)
     if fused is not None or paused:
         sort = False  # (paused: the planner found filtering cannot pay for this classifier now)
         walk = None

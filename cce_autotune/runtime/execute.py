@@ -95,8 +95,8 @@ def forward(plan: CallPlan, call: Call, e, c, bias) -> tuple:
         if state.fused_scale is not None:
             coef = coef * state.fused_scale
         lse, zt, de, dc, dbias = strategies.get(fp.fused.strategy).run_forward(
-            e, ck, bias, call.layout, call.targets, coef, call.softcap, kv.backward, fp.fused, tiles=kv.lse_forward,
-            dc_dtype=c.dtype, block_v=plan.costs.fused_block_v)
+            e, ck, bias, call.layout, call.targets, coef, call.softcap, kv.backward.replace(**(fp.fused.tiles or {})),
+            fp.fused, dc_dtype=c.dtype, block_v=plan.costs.fused_block_v)
         state.fused = (de, dc, dbias)
     else:
         if ck is not c:

@@ -77,6 +77,7 @@ class Fused(Strategy):
     kernel_function = "cce_fused_grad_kernel"
     in_forward = True
     deterministic = True
+    forward_tiles = True
     coefficients = (
         Coefficient("block_ms", 0.25, "host time per block of rows (three kernel launches, two cuBLAS products; "
                     "0.19-0.27 ms measured on the H200's host)"),
@@ -118,16 +119,15 @@ class Fused(Strategy):
     def forward_cost(self, p: CallProblem, costs, plan) -> float:
         return cost(p, costs, plan.row_block, plan.dc_fp32)
 
-    def run_forward(self, e, c, bias, rows: RowLayout, targets, coef, softcap, variant, plan, *, tiles,
+    def run_forward(self, e, c, bias, rows: RowLayout, targets, coef, softcap, variant, plan, *,
                     dc_dtype: torch.dtype | None = None, block_v: int = PIECE):
         """The forward of a loss whose gradient with respect to row i's logits is ``softmax * coef[i]
         - onehot * coef[i]`` (times the softcap derivative): ``(lse, zt, dE, dC, dbias)`` (fp32 LSE
         and target logits of the rows taking part; dE, dC, dbias shaped and typed like e, c, bias;
         dbias None without a bias, dC in ``dc_dtype`` when given). Rows go in blocks of
-        ``plan.row_block``, the logits in the tiles of ``tiles`` (the forward's LSE variant: its
-        block_b x block_v x block_d, warps, stages and swizzle, tuned for this product), the kernels
-        rendered for ``variant`` (the backward's); each program of the rescaling kernel takes
-        ``block_v`` columns."""
+        ``plan.row_block``, the logits in ``variant``'s tiles (block_b x block_v x block_d, warps,
+        stages and swizzle: the planner gives the plan the forward's, tuned for this product, as
+        ``plan.tiles``); each program of the rescaling kernel takes ``block_v`` columns."""
         row_block = plan.row_block
         n, D = rows.n, e.shape[-1]
         V = c.shape[0]
@@ -148,13 +148,13 @@ class Fused(Strategy):
         if n == 0:
             return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None
         R = max(1, min(row_block, n))
-        tv = tiles.block_v
+        tv = variant.block_v
         n_tiles = -(-V // tv)
         g = torch.empty((R, V), dtype=e.dtype, device=dev)
         u = g.view(torch.float16) if g.element_size() == 2 else g  # (u <= 1: fp16, finer than bf16)
         stats = torch.empty((2, R, n_tiles), dtype=torch.float32, device=dev)  # each tile's max, sum
         # E's rows of a block and C as TMA descriptors where the layout allows them (C's once)
-        c_desc = tma_descriptors(e2, c, R, None, tiles, c_by_position=True)[1]
+        c_desc = tma_descriptors(e2, c, R, None, variant, c_by_position=True)[1]
         v = variant.replace(strategy=self.name)
         bias_arg = bias if bias is not None else g
         cap = softcap_arg(softcap)
@@ -163,19 +163,19 @@ class Fused(Strategy):
             r1 = min(n, r0 + R)
             m = r1 - r0
             e_blk = e2[r0:r1] if dense else e2[row_idx[r0:r1]]
-            e_desc = tma_descriptors(e_blk, c, m, e_blk.stride(0), tiles, c_by_position=False)[0]
-            fl = flags(e, c, bias, softcap, tiles.block_d, rows, e_desc=e_desc is not None, c_desc=c_desc is not None)
+            e_desc = tma_descriptors(e_blk, c, m, e_blk.stride(0), variant, c_by_position=False)[0]
+            fl = flags(e, c, bias, softcap, variant.block_d, rows, e_desc=e_desc is not None, c_desc=c_desc is not None)
             if fl not in kernels:
                 kernels[fl] = tuple(load_kernel(v, fl, name=k) for k in (
                     "cce_fused_logits_kernel", "cce_fused_lse_kernel", "cce_fused_grad_kernel"))
             logits_kernel, lse_kernel, grad_kernel = kernels[fl]
             tgt, cf = targets[r0:r1], coef[r0:r1]
-            logits_kernel[(-(-m // tiles.block_b) * n_tiles,)](
+            logits_kernel[(-(-m // variant.block_b) * n_tiles,)](
                 e_blk if e_desc is None else e_desc, c if c_desc is None else c_desc, bias_arg, tgt, u,
                 stats[0], stats[1], zt[r0:r1],
                 m, V, D, e_blk.stride(0), e_blk.stride(1), c.stride(0), c.stride(1), u.stride(0), stats.stride(1), cap,
-                BLOCK_B=tiles.block_b, BLOCK_V=tv, BLOCK_D=tiles.block_d, GROUP_B=tiles.group_b,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                BLOCK_B=variant.block_b, BLOCK_V=tv, BLOCK_D=variant.block_d, GROUP_B=variant.group_b,
+                num_warps=variant.num_warps, num_stages=variant.num_stages,
             )
             lse_kernel[(m,)](stats[0], stats[1], lse[r0:r1], n_tiles, stats.stride(1), BLOCK_S=LSE_STATS, num_warps=4)
             grad_kernel[(m, -(-V // block_v))](
