@@ -485,7 +485,8 @@ def _cmd_explain(args, out, err) -> int:
     from ..configdb import dispatch
     from ..planning import budget as budgets
     from ..planning import planner
-    from ..plans import CallProblem, MiB
+    from ..options import Options
+    from ..plans import CallPlan, CallProblem, ForwardPlan, MiB
     from ..strategies.base import PlanContext, mm_ms
 
     gpu = _gpu_or_default(args, err, "explain")
@@ -518,14 +519,15 @@ def _cmd_explain(args, out, err) -> int:
                                           budget=budget, costs=costs, exact=True)
             first = planner.with_forward_tiles(first, kv)
             out.write(f"  first call: {first.describe()}\n")
-            fusable = whole or not p.cast_bytes  # (see planner.fused_allowed)
+            # (a "mean" loss: whether the fused plan may run depends on the classifier's conversion alone)
+            fusable = planner.fused_allowed(Options(), CallPlan(impl="triton", forward=ForwardPlan(convert_classifier=whole)),
+                                            wider_classifier=bool(p.cast_bytes))
             exact = planner.plan_fused(p, bw, paused=False, exact=True, allowed=fusable, budget=budget, costs=costs,
-                                       tile_v=kv.lse_forward.block_v)
+                                       forward=kv.lse_forward)
             out.write(f"  exact: {exact.describe() if exact is not None else 'as the first call'}\n")
             unfiltered = planner.unfiltered_cost(p, bw, budget, costs, fused_allowed=fusable)
             fused = planner.plan_fused(p, bw, paused=True, allowed=fusable, budget=budget, costs=costs,
-                                       tile_v=kv.lse_forward.block_v)
-            exact, fused = (planner.with_forward_tiles(x, kv) if x is not None else None for x in (exact, fused))
+                                       forward=kv.lse_forward)
             for live in args.live:
                 # Each strategy's live blocks for a random spread of the live tiles.
                 ctx = PlanContext(problem=p, variant=bw, costs=costs, budget=budget, use_map=True, live=live,

@@ -157,9 +157,7 @@ def plan_forward(plan: CallPlan, p: CallProblem, c, costs, *, needs_grad: bool, 
     if needs_grad and p.n > 0 and (paused or eps is None or asks_forward):
         fused = plan_fused(p, bw, paused=paused, exact=eps is None, allowed=fused_allowed,
                            budget=call_budget(p, max_extra_memory, plan.forward.convert_classifier), costs=costs,
-                           tile_v=kv.lse_forward.block_v)
-        if fused is not None:
-            fused = with_forward_tiles(fused, kv)
+                           forward=kv.lse_forward)
     if fused is not None or paused:
         sort = False  # (paused: the planner found filtering cannot pay for this classifier now)
         walk = None
@@ -191,7 +189,7 @@ def walk_copy(p: CallProblem, variant, budget: int | None, costs) -> int:
 
 
 def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: bool = False, budget: int | None,
-               costs, tile_v: int = FORWARD_TILE_V) -> BackwardPlan | None:
+               costs, forward=None) -> BackwardPlan | None:
     """The plan of gradients computed in the forward when it is the one to run, else None (the
     forward computes the LSE and the backward is planned when it runs).
 
@@ -202,8 +200,10 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: b
     ``fused_min_rows`` rows (or all rows) and beat the forward plus the exact backward by the cost
     model, unless the variant asks for it. A 16-bit dC without room for its fp32 accumulator is summed
     over at most :data:`~cce_autotune.planning.filters.SUMMED_DC_BLOCKS` blocks (the accuracy of a
-    default call), over none in an exact call, whatever the variant asks. ``tile_v``: the columns of
-    the forward's logit tiles (its LSE variant's ``block_v``), which the strategy's statistics follow."""
+    default call), over none in an exact call, whatever the variant asks. ``forward``: the call's LSE
+    variant, whose tiling the plan runs with (``forward_tiles``) and whose ``block_v`` its statistics
+    follow; None: estimated at :data:`~cce_autotune.strategies.base.FORWARD_TILE_V`, with the
+    backward variant's own tiling."""
     if not allowed:
         return None
     if variant.strategy != "auto":
@@ -218,7 +218,8 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: b
             return None
     else:
         return None
-    opt = chosen.forward_option(p, costs, budget, forced=forced, tile_v=tile_v,
+    opt = chosen.forward_option(p, costs, budget, forced=forced,
+                                tile_v=forward.block_v if forward is not None else FORWARD_TILE_V,
                                 summed_blocks=1 if exact else filters.SUMMED_DC_BLOCKS)
     if opt is None:
         return None
@@ -232,9 +233,10 @@ def plan_fused(p: CallProblem, variant, *, paused: bool, allowed: bool, exact: b
                f"an exact backward (est {other:.2f} mm)")
     else:
         why = f"exact: no recompute beats the forward plus an exact backward (est {other:.2f} mm)"
-    return BackwardPlan(strategy=chosen.name, use_map=False, row_block=opt.sizes["row_block"],
+    plan = BackwardPlan(strategy=chosen.name, use_map=False, row_block=opt.sizes["row_block"],
                         dc_fp32=opt.sizes.get("dc_fp32", False), cost=opt.cost, extra_bytes=opt.extra_bytes,
                         budget=budget, reason=why)
+    return _forward_tiling(plan, variant, forward) if forward is not None else plan
 
 
 # -- 3. the gradients ----------------------------------------------------------------------------
@@ -417,10 +419,15 @@ TILING = ("block_b", "block_v", "block_d", "group_b", "num_warps", "num_stages")
 def with_forward_tiles(plan: BackwardPlan, variants) -> BackwardPlan:
     """``plan`` with the LSE forward variant's tiling where its strategy computes every tile as the
     forward does (no map, a strategy's ``forward_tiles``) and the backward variant's tiling differs."""
+    return _forward_tiling(plan, variants.backward, variants.lse_forward)
+
+
+def _forward_tiling(plan: BackwardPlan, backward, forward) -> BackwardPlan:
+    """:func:`with_forward_tiles` for the ``backward`` and ``forward`` (LSE) variants."""
     if plan.use_map or not strategies.get(plan.strategy).forward_tiles:
         return plan
-    tiles = {k: getattr(variants.lse_forward, k) for k in TILING}
-    if all(getattr(variants.backward, k) == v for k, v in tiles.items()):
+    tiles = {k: getattr(forward, k) for k in TILING}
+    if all(getattr(backward, k) == v for k, v in tiles.items()):
         return plan
     return replace(plan, tiles=tiles)
 

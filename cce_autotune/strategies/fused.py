@@ -103,18 +103,17 @@ class Fused(Strategy):
         one block sums in an fp32 accumulator where it fits beside a block, else in dC itself over at
         most ``summed_blocks`` blocks. None: nothing fits, or, unless ``forced``, blocks of fewer rows
         than the cost model's ``fused_min_rows``."""
-        tv = tile_v
-        R = block_rows(p, budget, tv)
+        R = block_rows(p, budget, tile_v)
         acc = False
         if R is not None and R < p.n and p.dc_elem < 4:
-            with_acc = block_rows(p, budget, tv, dc_fp32=True)
+            with_acc = block_rows(p, budget, tile_v, dc_fp32=True)
             if with_acc is not None and (with_acc >= min(p.n, costs.fused_min_rows) or forced):
                 R, acc = with_acc, with_acc < p.n
             elif -(-p.n // R) > summed_blocks:
                 R = None
         if R is None or (R < min(p.n, costs.fused_min_rows) and not forced):
             return None
-        return Option(cost(p, costs, R, acc), extra_bytes(p, R, tv, acc), sizes=dict(row_block=R, dc_fp32=acc))
+        return Option(cost(p, costs, R, acc), extra_bytes(p, R, tile_v, acc), sizes=dict(row_block=R, dc_fp32=acc))
 
     def forward_cost(self, p: CallProblem, costs, plan) -> float:
         return cost(p, costs, plan.row_block, plan.dc_fp32)
