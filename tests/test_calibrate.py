@@ -14,8 +14,8 @@ from cce_autotune.tuner import calibrate
 
 def _measurement(true, B, V, D, live, live_chunks):
     m = calibrate.synthetic(true, B, V, D, live, live_chunks)
-    assert [s.name for s in m.samples] == ["forward"] + [n for n, _, _ in calibrate.STRATEGIES]
-    assert all(s.plan.strategy == strategy for s, (_, strategy, _) in zip(m.samples[1:], calibrate.STRATEGIES))
+    assert [s.name for s in m.samples] == ["forward"] + [run[0] for run in calibrate.STRATEGIES]
+    assert all(s.plan.strategy == run[1] for s, run in zip(m.samples[1:], calibrate.STRATEGIES))
     return m
 
 
@@ -23,6 +23,9 @@ def test_fit_recovers_the_coefficients_that_made_the_times():
     true = costs.CostModel(forward=1.6, sparse_per_live=12.0, recompute=0.9,
                    products=2.6, flops_per_byte=240.0)
     ms = [_measurement(true, 8192, 256128, 2304, 0.12, 0.5), _measurement(true, 8192, 50257, 768, 0.45, 0.9)]
+    # (the shifted run's rows are not dense: cuBLAS's products per live chunk, which separate
+    # `products` from `recompute`)
+    assert all(not s.plan.tile_products and s.plan.use_map for m in ms for s in m.samples if s.name == "chunked_shifted")
     got, notes = calibrate.fit(ms, base=costs.CostModel())
     for name in calibrate.FITTED:
         assert math.isclose(getattr(got, name), getattr(true, name), rel_tol=0.03), (name, got, true)

@@ -85,8 +85,10 @@ class Strategy:
     - ``coefficients``: its numbers in the cost model;
     - ``space_rules``: ``(name, rule, why)`` rules of the search space that hold when this strategy
       is asked for (rule language of :mod:`cce_autotune.tuner.space`);
-    - ``calibration``: ``(run name, exact)`` runs that ``cce-tune`` times with this strategy forced,
-      to fit its coefficients.
+    - ``calibration``: ``(run name, exact)`` or ``(run name, exact, shifted)`` runs that ``cce-tune``
+      times with this strategy forced, to fit its coefficients (``shifted``: the targets shifted
+      along sequences of the batch, as a causal LM's loss, so that the problem's rows are not E's
+      rows in order).
     """
 
     name: str = ""

@@ -7,9 +7,10 @@ tiles are live, they skip what cuBLAS would multiply as zeros.
 
 Cost: ``recompute`` x live tiles + (``products`` + the buffers' traffic) x live chunks (with tile
 products, ``tile_products`` x live tiles + the traffic x live chunks), or the host's time to launch
-the blocks where that is longer. Memory: the g block (rows x chunk_v), the gathered C
-and dC rows of a chunk in a sorted order, and an fp32 dE (4·n·D). Where the g block of every row does
-not fit beside it, rows go in groups (``row_group`` rows per block of g; dC[chunk] summed over the
+the blocks where that is longer (without a map, the part that outlasts the forward's device time:
+the host launches the chunks while the device runs the forward). Memory: the g block (rows x
+chunk_v), the gathered C and dC rows of a chunk in a sorted order, and an fp32 dE (4·n·D). Where the
+g block of every row does not fit beside it, rows go in groups (``row_group`` rows per block of g; dC[chunk] summed over the
 groups in an fp32 (chunk_v x D) buffer, one rounding): dE stays fp32 at any number of tokens. Only
 when not even that fits is dE accumulated in its own dtype (fp32 inside cuBLAS, one rounding per live
 chunk). No float atomics: the deterministic strategy, and the one that takes the dead-tile correction.
@@ -193,13 +194,16 @@ def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):
 
 
 def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, de_fp32: bool,
-         row_group: int = 0, tile_products: bool = False) -> float:
+         row_group: int = 0, tile_products: bool = False, after_forward: bool = True) -> float:
     """The chunked strategy's estimate: recompute of the live tiles, and per live chunk the two
     products plus the traffic of the g block (written, read twice), of dE (read, written) and, with
     row groups, of the fp32 dC[chunk] they sum into (read, written per group) - or the host's time to
     launch the (chunk, row group) blocks, where that is longer. ``live_chunks``: the share of those
     blocks that hold a live tile. ``tile_products``: the products are formed over the live tiles
-    only (``tile_products`` per unit of live-tile share, in place of ``products`` per live chunk)."""
+    only (``tile_products`` per unit of live-tile share, in place of ``products`` per live chunk).
+    ``after_forward``: the host launches the chunks while the device still runs the forward (nothing
+    is read back between them: a plan without a map), so only the host time that outlasts the
+    forward's counts."""
     grouped = 0 < row_group < p.n
     traffic = (1.5 * p.elem * costs.flops_per_byte / p.D + (4 if de_fp32 else 2) * costs.flops_per_byte / max(1, chunk_v)
                + (4 * costs.flops_per_byte / row_group if grouped else 0.0))
@@ -210,7 +214,7 @@ def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, d
     # (tile products read C's rows and write dC's through the order: only a sum over groups scatters)
     gather = costs.gather_chunk_ms if p.sorted_vocab and (grouped or not tile_products) else 0.0
     host = live_chunks * n_chunks * (costs.chunk_ms * n_groups + gather) / mm_ms(p, costs)
-    return max(device, host)
+    return max(device, host - costs.forward if after_forward else host)
 
 
 # -- the strategy ----------------------------------------------------------------------------------
@@ -224,8 +228,7 @@ class Chunked(Strategy):
     forward_tiles = True
     coefficients = (
         Coefficient("recompute", 1.25, "the gradient kernel, per unit of live-tile share", fitted=True),
-        Coefficient("products", 2.0, "its two cuBLAS products, per unit of live-chunk share (also the fused "
-                    "strategy's three products' unit)", fitted=True),
+        Coefficient("products", 2.0, "its two cuBLAS products, per unit of live-chunk share", fitted=True),
         Coefficient("tile_products", 4.1, "the same two products formed by live tile (Triton kernels), per unit "
                     "of live-tile share", fitted=True),
         Coefficient("chunk_ms", 0.19, "host time per chunk (a kernel launch, two cuBLAS calls)"),
@@ -238,18 +241,20 @@ class Chunked(Strategy):
          "an explicitly chunked strategy's gradient buffer (B x chunk_v) stays within 64 MiB (under auto, chunk_v "
          "is an upper bound that the planner narrows to fit the memory budget)"),
     )
-    calibration = (("chunked", False), ("chunked_exact", True))
+    # (shifted rows are not dense, so the products by live tile cannot run: cuBLAS's products per
+    # live chunk, whose coefficient no other run separates from the recompute's)
+    calibration = (("chunked", False), ("chunked_exact", True), ("chunked_shifted", False, True))
 
     def option(self, ctx: PlanContext) -> Option:
         p, v, costs = ctx.problem, ctx.variant, ctx.costs
         n_lists = listed_tiles(p, v, ctx.use_map)  # (an exact plan has no map)
         w, de_fp32, rg = shape(p, v.block_v, v.chunk_v, ctx.budget, ctx.exact, costs)
-        est = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg)
+        est = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, after_forward=not ctx.use_map)
         mem = extra_bytes(p, w, de_fp32, ctx.use_map, rg)
         sizes = dict(chunk_v=w, row_group=rg, de_fp32=de_fp32, live_chunks=ctx.live_blocks if ctx.use_map else None)
         if n_lists:
             # The products over the live tiles only, where they cost less than cuBLAS's over whole chunks.
-            est_t = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, tile_products=True)
+            est_t = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, tile_products=True, after_forward=False)
             mem_t = extra_bytes(p, w, de_fp32, True, rg, n_lists)
             fits = ctx.budget is None or mem_t <= ctx.budget
             if fits and (est_t < est or (ctx.budget is not None and mem > ctx.budget)):

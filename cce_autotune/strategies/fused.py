@@ -47,16 +47,19 @@ def _row_bytes(p: CallProblem, tile_v: int) -> int:
 
 
 def cost(p: CallProblem, costs, row_block: int, dc_fp32: bool = False) -> float:
-    """Forward and backward together: three products (logits, dE, dC), slowed where a block of rows
-    is too short for cuBLAS to reuse each row of C it reads; the traffic of the block's gradient (u
-    written and read, g written and read twice); dC (or its fp32 accumulator) read and written once
-    per block."""
+    """Forward and backward together: the three products (logits, dE, dC), slowed where a block of
+    rows is too short for cuBLAS to reuse each row of C it reads; the traffic of the block's gradient
+    (u written and read, g written and read twice); dC (or its fp32 accumulator) read and written
+    once per block; the tails of each block's kernels - or the host's time to launch the blocks,
+    where that is longer."""
     R = max(1, min(row_block, p.n))
+    blocks = -(-p.n // R)
     reuse = max(1.0, costs.flops_per_byte / R)
     traffic = 5 * p.elem * costs.flops_per_byte / (2 * p.D)
     dc_traffic = (4 if dc_fp32 else p.dc_elem) * costs.flops_per_byte / R  # dC read and written once per block
-    host = costs.block_ms * -(-p.n // R) / mm_ms(p, costs)
-    return max(1.5 * costs.products * reuse + traffic + dc_traffic, host)
+    unit = mm_ms(p, costs)
+    device = costs.fused_products * reuse + traffic + dc_traffic + blocks * costs.block_tail_ms / unit
+    return max(device, blocks * costs.block_ms / unit)
 
 
 def block_rows(p: CallProblem, budget: int | None, tile_v: int, dc_fp32: bool = False) -> int | None:
@@ -79,8 +82,12 @@ class Fused(Strategy):
     deterministic = True
     forward_tiles = True
     coefficients = (
-        Coefficient("block_ms", 0.25, "host time per block of rows (three kernel launches, two cuBLAS products; "
-                    "0.19-0.27 ms measured on the H200's host)"),
+        Coefficient("fused_products", 2.8, "its three products (the logits kernel with the gradient's epilogue, "
+                    "cuBLAS's dE and dC) and the LSE, per call", fitted=True),
+        Coefficient("block_tail_ms", 0.034, "device time per block of rows beyond its products: the tails of its five "
+                    "kernels (fitted on the H200 over 2-32 blocks at six heads)"),
+        Coefficient("block_ms", 0.3, "host time per block of rows (three kernel launches, two cuBLAS products; "
+                    "0.30-0.36 ms measured on the H200's host)"),
         Coefficient("fused_min_rows", 128, "fewest rows per block: below this cuBLAS reads C for each block of rows more "
                     "than it computes", integer=True),
         Coefficient("fused_block_v", PIECE, "columns per program of the rescaling kernel", integer=True,

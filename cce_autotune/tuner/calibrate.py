@@ -11,7 +11,8 @@ classifier moves a little before every call):
 - one cuBLAS matmul of the shape, its vocabulary padded to a multiple of 128 (-> ``matmul_tflops``)
   and a device copy (-> ``flops_per_byte``, the matmul rate over the memory bandwidth);
 - the forward alone, and forward + backward with the strategy forced to each strategy's calibration
-  runs (``Strategy.calibration``: filtered with the tile map, or exact), without a memory budget (so
+  runs (``Strategy.calibration``: filtered with the tile map, or exact; the chunked strategy's also
+  with the targets shifted along sequences, its rows then not dense), without a memory budget (so
   that each forced strategy runs); each with the plan the planner made for it (recorded by
   :func:`cce_autotune.planning.explain.recording`: the live shares, windows, chunk width and memory
   budget it saw).
@@ -44,8 +45,10 @@ __all__ = ["Sample", "Measurement", "measure", "fit", "synthetic", "FITTED", "ST
 
 # The coefficients the fit moves, in the order it moves them.
 FITTED = tuple(name for name, c in cost_models.coefficients().items() if c.fitted)
-# (name, strategy forced, exact gradients): the runs of one head
-STRATEGIES = tuple((run, s.name, exact) for s in strategies.all_strategies() for run, exact in s.calibration)
+# (name, strategy forced, exact gradients, shifted targets): the runs of one head
+STRATEGIES = tuple((run[0], s.name, run[1], len(run) > 2 and run[2])
+                   for s in strategies.all_strategies() for run in s.calibration)
+SEQ = 1024  # tokens a sequence in the shifted runs
 _BOUNDS = (0.05, 200.0)
 
 
@@ -180,14 +183,15 @@ def synthetic(true: CostModel, B: int, V: int, D: int, live: float = 0.2, live_c
     p = CallProblem(n=B, n_all=B, V=V, D=D, elem=2, grad_bytes=2 * (B + V) * D, sorted_vocab=True,
                     map_bytes=B * V // 64)
     samples = [Sample("forward", true.forward * mm_ms)]
-    for name, strategy, exact in STRATEGIES:
+    for name, strategy, exact, shifted in STRATEGIES:
+        q = replace(p, n=B - B // SEQ, dense_rows=False) if shifted else p
         if strategies.get(strategy).in_forward:
             plan = BackwardPlan(strategy=strategy, use_map=False, row_block=min(B, 1024))
         else:
-            plan = planner.plan_backward(p, variant.replace(strategy=strategy), has_map=not exact,
+            plan = planner.plan_backward(q, variant.replace(strategy=strategy), has_map=not exact,
                                          live=None if exact else live, live_blocks=None if exact else live_chunks,
                                          budget=None, costs=true, exact=exact)
-        s = Sample(name, 1.0, plan, p, variant, exact)
+        s = Sample(name, 1.0, plan, q, variant, exact)
         samples.append(replace(s, total_ms=_estimate(s, true) * mm_ms))
     copy_gbs = 2.0 * B * V * D / (mm_ms * 1e9) * 1e3 / true.flops_per_byte
     return Measurement(B, V, D, data, mm_ms, copy_gbs, tuple(samples))
@@ -229,15 +233,18 @@ def measure(B: int, V: int, D: int, *, data: str = "lm", dtype: str = "bf16", se
     fw = lambda: (step(), linear_cross_entropy(ee, cc, t, variants=defaults))  # noqa: E731
     fw()  # a first call (records the classifier's order)
     samples.append(Sample("forward", bench(fw)))
-    for name, strategy, exact in STRATEGIES:
+    for name, strategy, exact, shifted in STRATEGIES:
         kv = defaults.replace(backward=defaults.backward.replace(strategy=strategy))
         eps = None if exact else "auto"
+        # (shifted: the rows as sequences of SEQ tokens, each predicting the next: not E's rows in order)
+        args = (ee.view(-1, SEQ, D), cc, t.view(-1, SEQ)) if shifted and B % SEQ == 0 else (ee, cc, t)
+        more = dict(shift=1) if len(args[0].shape) == 3 else {}
 
         def fwbw():
             step()
             # (no memory budget: the forced strategy runs, as the sparse one would not within the
             # default one; the plan recorded says how it ran)
-            linear_cross_entropy(ee, cc, t, variants=kv, filter_eps=eps, max_extra_memory=None).backward()
+            linear_cross_entropy(*args, variants=kv, filter_eps=eps, max_extra_memory=None, **more).backward()
 
         try:
             fwbw()
