@@ -43,7 +43,13 @@ def extra_bytes(p: CallProblem, row_block: int, tile_v: int, dc_fp32: bool = Fal
 def _row_bytes(p: CallProblem, tile_v: int) -> int:
     """A block's bytes per row: g, two fp32 statistics a tile and, rows not dense, its row of E and
     of dE."""
-    return p.elem * p.V + 8 * -(-p.V // tile_v) + (0 if p.dense_rows else 2 * p.D * p.elem)
+    return p.elem * _aligned(p.V) + 8 * -(-p.V // tile_v) + (0 if p.dense_rows else 2 * p.D * p.elem)
+
+
+def _aligned(V: int) -> int:
+    """Elements between two rows of a block's g: V rounded up to 16 bytes' worth (of 2-byte elements:
+    also a whole number of 4-byte ones)."""
+    return -(-V // 8) * 8
 
 
 def cost(p: CallProblem, costs, row_block: int, dc_fp32: bool = False) -> float:
@@ -156,7 +162,9 @@ class Fused(Strategy):
         R = max(1, min(row_block, n))
         tv = variant.block_v
         n_tiles = -(-V // tv)
-        g = torch.empty((R, V), dtype=e.dtype, device=dev)
+        # (rows of g 16-byte aligned: at an odd V such as GPT-2's 50257, cuBLAS takes a path several
+        # times slower for its products with g's rows at V elements apart)
+        g = torch.empty((R, _aligned(V)), dtype=e.dtype, device=dev)[:, :V]
         u = g.view(torch.float16) if g.element_size() == 2 else g  # (u <= 1: fp16, finer than bf16)
         stats = torch.empty((2, R, n_tiles), dtype=torch.float32, device=dev)  # each tile's max, sum
         # E's rows of a block and C as TMA descriptors where the layout allows them (C's once)
