@@ -587,6 +587,48 @@ def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(dtype, device, mo
     assert rel_err(ge, re) < tol and rel_err(gc, rc) < tol
 
 
+def test_fused_de_products_sum_over_a_multiple_of_8_columns(device, monkeypatch):
+    # At an odd vocabulary (GPT-2's 50257) cuBLAS takes a slow path for a product summed over V: each
+    # block's dE is the last V % 8 columns' product, then the rest's (a multiple of 8) added to it;
+    # g's rows are 16-byte aligned. The gradients are the float64 ones.
+    from cce_autotune.strategies.common import RowLayout
+
+    V, D, n = 301, 24, 40
+    variant = BackwardVariant(block_b=16, block_v=64, block_d=16, group_b=2)
+    e, c, _, _ = make_inputs((n,), V, D, torch.bfloat16, peaked=1.0, device=device)
+    t = torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(2)).to(device)
+    coef = torch.ones(n, device=device)
+    sums, strides = [], []
+    mm, addmm_ = torch.mm, torch.Tensor.addmm_
+
+    def of_c(b):  # (dE's products: g's columns against C's rows)
+        return b.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+
+    def spy_mm(a, b, *args, **kw):
+        if of_c(b):
+            sums.append(a.shape[1])
+            strides.append(a.stride(0))
+        return mm(a, b, *args, **kw)
+
+    def spy_addmm_(self, a, b, *args, **kw):
+        if of_c(b):
+            sums.append(a.shape[1])
+        return addmm_(self, a, b, *args, **kw)
+
+    monkeypatch.setattr(torch, "mm", spy_mm)
+    monkeypatch.setattr(torch.Tensor, "addmm_", spy_addmm_)
+    plan = BackwardPlan(strategy="fused", use_map=False, row_block=16)
+    layout = RowLayout(offsets=torch.arange(n, device=device) * D, de_offsets=torch.arange(n, device=device) * D,
+                       dense_stride=D)
+    _, _, de, dc, _ = fused.STRATEGY.run_forward(e, c, None, layout, t, coef, None, variant, plan)
+    monkeypatch.undo()
+    assert sums == [V % 8, V - V % 8] * 3  # three blocks of rows
+    assert all(s % 8 == 0 for s in strides)
+    z = e.double() @ c.double().T
+    gz = torch.softmax(z, 1) - F.one_hot(t, V).double()
+    assert rel_err(de, gz @ c.double()) < 1e-2 and rel_err(dc, gz.T @ e.double()) < 1e-2
+
+
 @pytest.mark.parametrize("dtype, features", [(torch.float32, "plain"), (torch.bfloat16, "plain"),
                                              (torch.bfloat16, "bias+softcap"), (torch.float16, "bias+softcap")], ids=str)
 def test_fused_blocks_tiles_and_pieces_against_float64(dtype, features, device):

@@ -171,6 +171,7 @@ class Fused(Strategy):
         c_desc = tma_descriptors(e2, c, R, None, variant, c_by_position=True)[1]
         v = variant.replace(strategy=self.name)
         bias_arg = bias if bias is not None else g
+        cut = V - V % 8  # (see dE's product below)
         cap = softcap_arg(softcap)
         kernels = {}
         for r0 in range(0, n, R):
@@ -197,10 +198,16 @@ class Fused(Strategy):
                 TILE_V=tv, BLOCK_V=block_v, num_warps=4,
             )
             g_blk = g[:m]
-            if dense:
-                torch.mm(g_blk, c, out=de2[r0:r1])
+            de_blk = de2[r0:r1] if dense else torch.empty((m, D), dtype=de.dtype, device=dev)
+            if 0 < cut < V:
+                # (the sum over V in cuBLAS's fast path, which wants it a multiple of 8: the last
+                # V % 8 columns first, the rest then added in cuBLAS's fp32, one rounding of dE)
+                torch.mm(g_blk[:, cut:], c[cut:], out=de_blk)
+                de_blk.addmm_(g_blk[:, :cut], c[:cut])
             else:
-                de2[row_idx[r0:r1]] = g_blk @ c
+                torch.mm(g_blk, c, out=de_blk)
+            if not dense:
+                de2[row_idx[r0:r1]] = de_blk
             if r0 > 0:
                 add_matmul(acc, g_blk.T, e_blk)  # fp32 inside cuBLAS; in a 16-bit dC one rounding per block of rows
             else:
