@@ -584,11 +584,6 @@ def main(argv=None) -> int:
         ap.error(f"--softcap: expected a positive number, got {args.softcap}")
     if args.softcap is not None and args.train:
         ap.error("--softcap: --train trains the real-data GPTs, whose head has no softcap")
-    if not torch.cuda.is_available():
-        print("cce-bench: no CUDA GPU found; the benchmark times GPU kernels", file=sys.stderr)
-        return 2
-    import triton
-
     dtype = TORCH_DTYPES[args.dtype]
     classifier_dtype = None
     if args.classifier == "fp32":
@@ -597,7 +592,7 @@ def main(argv=None) -> int:
         classifier_dtype = torch.float32
     keep = set(args.methods.split(",")) if args.methods else set(GRID_METHODS) if args.grid else None
 
-    def methods_for(softcap):
+    def offered(softcap):
         methods = _methods(not args.no_peers, softcap)
         if args.train:  # ours after casting the master weight to the compute dtype (see run_train); every
             # cce_autotune method of a training step already takes the fp32 master weight under autocast
@@ -605,7 +600,23 @@ def main(argv=None) -> int:
             methods.append(Method("cce_autotune_cast", lambda e, c, t: linear_cross_entropy(e, c, t)))
         if classifier_dtype is not None:
             methods = _mixed_methods(methods, dtype, softcap)
-        return [m for m in methods if keep is None or m.name in keep]
+        return methods
+
+    def methods_for(softcap):
+        return [m for m in offered(softcap) if keep is None or m.name in keep]
+
+    if args.methods:  # (a name no part of the run offers would be skipped without a word)
+        names = set(HF_METHODS) if hf_families else set()
+        for softcap in {shape[-1] for _, shape in plan}:
+            names |= {m.name for m in offered(softcap)}
+        unknown = sorted(keep - names)
+        if unknown:
+            ap.error(f"--methods: {', '.join(unknown)} not among this run's methods ({', '.join(sorted(names))}; "
+                     "a peer is offered where it imports)")
+    if not torch.cuda.is_available():
+        print("cce-bench: no CUDA GPU found; the benchmark times GPU kernels", file=sys.stderr)
+        return 2
+    import triton
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     print(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}", flush=True)

@@ -46,6 +46,17 @@ def test_the_hf_option_names_its_families_and_needs_train(capsys):
     assert "--hf: gpt2 is not one of" in capsys.readouterr().err
 
 
+def test_the_cli_refuses_a_method_no_part_of_the_run_offers(capsys):
+    # (it was skipped without a word: "liger" for liger_flce left the Hugging Face run without the peer)
+    with pytest.raises(SystemExit):
+        bench.main(["--train", "--hf", "llama", "--methods", "unpatched,cce_autotune,liger"])
+    err = capsys.readouterr().err
+    assert "--methods: liger not among this run's methods (cce_autotune, liger_flce, unpatched;" in err
+    with pytest.raises(SystemExit):
+        bench.main(["--grid", "--shapes", "50000x2048", "--no-peers", "--methods", "torch,apple_cce"])
+    assert "--methods: apple_cce not among this run's methods" in capsys.readouterr().err
+
+
 def test_an_unknown_method_is_refused_by_name():
     with pytest.raises(ValueError, match="methods: 'apple' is not one of unpatched, cce_autotune, liger_flce"):
         run_hf_train("llama", {}, methods=("apple",), tokens=32, seq=16, loop_steps=1, warmup=0, layers=1,
