@@ -1,13 +1,14 @@
 """The planner: memory budgets, the choice among strategies, pausing, the fused forward, and every
 plan shape it can produce run against the float64 oracle."""
 
+import itertools
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cce_autotune import BackwardVariant, LSEForwardVariant, linear_cross_entropy, memory
+from cce_autotune import BackwardVariant, LSEForwardVariant, linear_cross_entropy, memory, strategies
 from cce_autotune.planning import budget as budgets
 from cce_autotune.planning import costs, explain, planner
 from cce_autotune.planning.budget import memory_budget, parse_bytes
@@ -471,10 +472,22 @@ def test_explain_prints_a_plan_again_when_the_check_chose_otherwise(monkeypatch,
 
 
 # -- every plan shape against the oracle ------------------------------------------------------
+_PATCHED = itertools.count(1 << 30)  # strategies' generations that no unpatched process reaches
+
+
+def _patched_strategies(monkeypatch):
+    """For a test that patches a strategy's function: the plans the planner keeps under the
+    strategies' generation are made afresh under a generation of the test's own, which no other test
+    meets (the plans of another patch were kept, then reused, with a layout of live blocks that did
+    not match its chunks), and the unpatched ones are back after it."""
+    monkeypatch.setattr(strategies, "_generation", [next(_PATCHED)])
+
+
 def _force(monkeypatch, **shapes):
     """Make the planner produce the given shapes whatever the budget (tiny tests fit everything)."""
     if "chunk" in shapes:
         monkeypatch.setattr(chunked, "shape", lambda *a, **k: shapes["chunk"])
+        _patched_strategies(monkeypatch)
 
 
 MAPPED = SMALL.replace(
@@ -576,7 +589,8 @@ def test_fused_scales_by_the_incoming_gradient_and_blocks_rows(dtype, device, mo
     # Blocks of 16 rows (dC written by the first block, summed into by the others); a loss multiplied
     # by 3 gets 3x the gradients. Buffers come unfilled (NaN here): the blocks write every element.
     set_costs(fused_min_rows=1)
-    monkeypatch.setattr(fused, "extra_bytes", lambda p, R, dc_fp32=False, block_v=2048: R * 1000)
+    monkeypatch.setattr(fused, "extra_bytes", lambda p, R, tile_v, dc_fp32=False: R * 1000)
+    _patched_strategies(monkeypatch)
     kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
     e, c, t, _ = make_inputs((70,), 130, 40, dtype, device=device)
     with unwritten_is_nan():
