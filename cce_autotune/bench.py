@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import gc
 import math
 import os
@@ -592,6 +593,7 @@ def main(argv=None) -> int:
         classifier_dtype = torch.float32
     keep = set(args.methods.split(",")) if args.methods else set(GRID_METHODS) if args.grid else None
 
+    @functools.cache  # (one list of methods per softcap of the run's heads)
     def offered(softcap):
         methods = _methods(not args.no_peers, softcap)
         if args.train:  # ours after casting the master weight to the compute dtype (see run_train); every
