@@ -13,7 +13,8 @@ chunk_v), the gathered C and dC rows of a chunk in a sorted order, and an fp32 d
 g block of every row does not fit beside it, rows go in groups (``row_group`` rows per block of g;
 dC[chunk] summed over the groups in an fp32 (chunk_v x D) buffer, one rounding): dE stays fp32 at
 any number of tokens. Only when not even that fits is dE accumulated in its own dtype (fp32 inside
-cuBLAS, one rounding per live chunk). No float atomics: the deterministic strategy, and the one that takes the dead-tile correction.
+cuBLAS, one rounding per live chunk). No float atomics: the deterministic strategy, and the one that
+takes the dead-tile correction.
 """
 
 from __future__ import annotations

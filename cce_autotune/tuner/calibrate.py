@@ -237,14 +237,14 @@ def measure(B: int, V: int, D: int, *, data: str = "lm", dtype: str = "bf16", se
         kv = defaults.replace(backward=defaults.backward.replace(strategy=strategy))
         eps = None if exact else "auto"
         # (shifted: the rows as sequences of SEQ tokens, each predicting the next: not E's rows in order)
-        args = (ee.view(-1, SEQ, D), cc, t.view(-1, SEQ)) if shifted and B % SEQ == 0 else (ee, cc, t)
-        more = dict(shift=1) if len(args[0].shape) == 3 else {}
+        shift = int(shifted and B % SEQ == 0)
+        args = (ee.view(-1, SEQ, D), cc, t.view(-1, SEQ)) if shift else (ee, cc, t)
 
         def fwbw():
             step()
             # (no memory budget: the forced strategy runs, as the sparse one would not within the
             # default one; the plan recorded says how it ran)
-            linear_cross_entropy(*args, variants=kv, filter_eps=eps, max_extra_memory=None, **more).backward()
+            linear_cross_entropy(*args, variants=kv, filter_eps=eps, max_extra_memory=None, shift=shift).backward()
 
         try:
             fwbw()
