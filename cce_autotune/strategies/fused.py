@@ -173,17 +173,17 @@ class Fused(Strategy):
         bias_arg = bias if bias is not None else g
         cut = V - V % 8  # (see dE's product below)
         cap = softcap_arg(softcap)
-        kernels = {}
+        kernels = {}  # (by whether a block's E is read through a TMA descriptor: the one flag that can differ)
         for r0 in range(0, n, R):
             r1 = min(n, r0 + R)
             m = r1 - r0
             e_blk = e2[r0:r1] if dense else e2[row_idx[r0:r1]]
             e_desc = tma_descriptors(e_blk, c, m, e_blk.stride(0), variant, c_by_position=False)[0]
-            fl = flags(e, c, bias, softcap, variant.block_d, rows, e_desc=e_desc is not None, c_desc=c_desc is not None)
-            if fl not in kernels:
-                kernels[fl] = tuple(load_kernel(v, fl, name=k) for k in (
+            if (e_desc is None) not in kernels:
+                fl = flags(e, c, bias, softcap, variant.block_d, rows, e_desc=e_desc is not None, c_desc=c_desc is not None)
+                kernels[e_desc is None] = tuple(load_kernel(v, fl, name=k) for k in (
                     "cce_fused_logits_kernel", "cce_fused_lse_kernel", "cce_fused_grad_kernel"))
-            logits_kernel, lse_kernel, grad_kernel = kernels[fl]
+            logits_kernel, lse_kernel, grad_kernel = kernels[e_desc is None]
             tgt, cf = targets[r0:r1], coef[r0:r1]
             logits_kernel[(-(-m // variant.block_b) * n_tiles,)](
                 e_blk if e_desc is None else e_desc, c if c_desc is None else c_desc, bias_arg, tgt, u,
