@@ -632,9 +632,7 @@ def test_fused_de_products_sum_over_a_multiple_of_8_columns(device, monkeypatch)
     monkeypatch.setattr(torch, "mm", spy_mm)
     monkeypatch.setattr(torch.Tensor, "addmm_", spy_addmm_)
     plan = BackwardPlan(strategy="fused", use_map=False, row_block=16)
-    layout = RowLayout(offsets=torch.arange(n, device=device) * D, de_offsets=torch.arange(n, device=device) * D,
-                       dense_stride=D)
-    _, _, de, dc, _ = fused.STRATEGY.run_forward(e, c, None, layout, t, coef, None, variant, plan)
+    _, _, de, dc, _ = fused.STRATEGY.run_forward(e, c, None, RowLayout.dense(n, D, device), t, coef, None, variant, plan)
     monkeypatch.undo()
     assert sums == [V % 8, V - V % 8] * 3  # three blocks of rows
     assert all(s % 8 == 0 for s in strides)
