@@ -171,52 +171,68 @@ class Fused(Strategy):
         c_desc = tma_descriptors(e2, c, R, None, variant, c_by_position=True)[1]
         v = variant.replace(strategy=self.name)
         bias_arg = bias if bias is not None else g
-        cut = V - V % 8  # (see dE's product below)
+        cut = V - V % 8 if V > 8 else V  # (see dE's product below)
         cap = softcap_arg(softcap)
         kernels = {}  # (by whether a block's E is read through a TMA descriptor: the one flag that can differ)
-        for r0 in range(0, n, R):
-            r1 = min(n, r0 + R)
-            m = r1 - r0
-            e_blk = e2[r0:r1] if dense else e2[row_idx[r0:r1]]
+        # The loop's views made once, not per block (the host's time per block is this plan's price at
+        # small heads): each block's rows of the per-row arguments, of E and of dE (dense rows), the
+        # tiles' two statistics, C's two parts of dE's product, and g's pieces for a whole block.
+        tgts, cfs, lses, zts = (x.split(R) for x in (targets, coef, lse, zt))
+        e_blks, de_blks = (e2.split(R), de2.split(R)) if dense else (None, None)
+        st_max, st_sum = stats.unbind(0)
+        c_parts = (c[cut:], c[:cut])
+        whole = _products_operands(g, cut)
+        for b, r0 in enumerate(range(0, n, R)):
+            m = min(R, n - r0)
+            e_blk = e_blks[b] if dense else e2[row_idx[r0:r0 + m]]
             e_desc = tma_descriptors(e_blk, c, m, e_blk.stride(0), variant, c_by_position=False)[0]
             if (e_desc is None) not in kernels:
                 fl = flags(e, c, bias, softcap, variant.block_d, rows, e_desc=e_desc is not None, c_desc=c_desc is not None)
                 kernels[e_desc is None] = tuple(load_kernel(v, fl, name=k) for k in (
                     "cce_fused_logits_kernel", "cce_fused_lse_kernel", "cce_fused_grad_kernel"))
             logits_kernel, lse_kernel, grad_kernel = kernels[e_desc is None]
-            tgt, cf = targets[r0:r1], coef[r0:r1]
+            tgt, lse_b, zt_b = tgts[b], lses[b], zts[b]
             logits_kernel[(-(-m // variant.block_b) * n_tiles,)](
                 e_blk if e_desc is None else e_desc, c if c_desc is None else c_desc, bias_arg, tgt, u,
-                stats[0], stats[1], zt[r0:r1],
+                st_max, st_sum, zt_b,
                 m, V, D, e_blk.stride(0), e_blk.stride(1), c.stride(0), c.stride(1), u.stride(0), stats.stride(1), cap,
                 BLOCK_B=variant.block_b, BLOCK_V=tv, BLOCK_D=variant.block_d, GROUP_B=variant.group_b,
                 num_warps=variant.num_warps, num_stages=variant.num_stages,
             )
-            lse_kernel[(m,)](stats[0], stats[1], lse[r0:r1], n_tiles, stats.stride(1), BLOCK_S=LSE_STATS, num_warps=4)
+            lse_kernel[(m,)](st_max, st_sum, lse_b, n_tiles, stats.stride(1), BLOCK_S=LSE_STATS, num_warps=4)
             grad_kernel[(m, -(-V // block_v))](
-                u, g, stats[0], tgt, cf, lse[r0:r1], zt[r0:r1], V, g.stride(0), stats.stride(1), cap,
+                u, g, st_max, tgt, cfs[b], lse_b, zt_b, V, g.stride(0), stats.stride(1), cap,
                 TILE_V=tv, BLOCK_V=block_v, num_warps=4,
             )
-            g_blk = g[:m]
-            de_blk = de2[r0:r1] if dense else torch.empty((m, D), dtype=de.dtype, device=dev)
-            if 0 < cut < V:
+            g_blk, g_tail, g_head, g_t = whole if m == R else _products_operands(g[:m], cut)
+            de_blk = de_blks[b] if dense else torch.empty((m, D), dtype=de.dtype, device=dev)
+            if g_tail is not None:
                 # (the sum over V in cuBLAS's fast path, which wants it a multiple of 8: the last
                 # V % 8 columns first, the rest then added in cuBLAS's fp32, one rounding of dE)
-                torch.mm(g_blk[:, cut:], c[cut:], out=de_blk)
-                de_blk.addmm_(g_blk[:, :cut], c[:cut])
+                torch.mm(g_tail, c_parts[0], out=de_blk)
+                de_blk.addmm_(g_head, c_parts[1])
             else:
                 torch.mm(g_blk, c, out=de_blk)
             if not dense:
-                de2[row_idx[r0:r1]] = de_blk
+                de2[row_idx[r0:r0 + m]] = de_blk
             if r0 > 0:
-                add_matmul(acc, g_blk.T, e_blk)  # fp32 inside cuBLAS; in a 16-bit dC one rounding per block of rows
+                add_matmul(acc, g_t, e_blk)  # fp32 inside cuBLAS; in a 16-bit dC one rounding per block of rows
             else:
-                mm_out(g_blk.T, e_blk, acc)  # (the first block writes dC: no fill)
+                mm_out(g_t, e_blk, acc)  # (the first block writes dC: no fill)
             if dbias is not None:
                 dbias += g_blk.sum(0, dtype=torch.float32)
         if acc is not dc:
             dc.copy_(acc)
         return lse, zt, de, dc, dbias.to(bias.dtype) if bias is not None else None
+
+
+def _products_operands(g_blk, cut: int) -> tuple:
+    """A block's g for cuBLAS's products: ``(g, its last V - cut columns, its first cut, g^T)``, the two
+    parts None where dE's sum needs no cut (V a multiple of 8, or at most 8 columns)."""
+    V = g_blk.shape[1]
+    if cut < V:
+        return g_blk, g_blk[:, cut:], g_blk[:, :cut], g_blk.T
+    return g_blk, None, None, g_blk.T
 
 
 STRATEGY = Fused()
