@@ -641,6 +641,28 @@ def test_fused_de_products_sum_over_a_multiple_of_8_columns(device, monkeypatch)
     assert rel_err(de, gz @ c.double()) < 1e-2 and rel_err(dc, gz.T @ e.double()) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_gradient_rows_padding_holds_zeros(dtype, device):
+    # g's rows are 16-byte aligned: at V = 301 they lie 304 elements apart, and the 3 columns between
+    # two rows are not the gradient's. A product may read them (the CPU's bf16 GEMM multiplies them by
+    # zero: left unwritten, NaN there, it gave a NaN dE), so they hold zeros. Blocks of 64 rows, the
+    # buffers NaN where unwritten; dE and dC against float64.
+    from cce_autotune.strategies.common import RowLayout
+
+    V, D, n = 301, 45, 130
+    variant = BackwardVariant(block_b=16, block_v=64, block_d=16, group_b=2)
+    e, c, _, _ = make_inputs((n,), V, D, dtype, device=device)
+    t = torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(2)).to(device)
+    plan = BackwardPlan(strategy="fused", use_map=False, row_block=64)
+    with unwritten_is_nan():
+        _, _, de, dc, _ = fused.STRATEGY.run_forward(e, c, None, RowLayout.dense(n, D, device), t,
+                                                     torch.ones(n, device=device), None, variant, plan)
+    z = e.double() @ c.double().T
+    gz = torch.softmax(z, 1) - F.one_hot(t, V).double()
+    assert torch.isfinite(de).all() and torch.isfinite(dc).all()
+    assert rel_err(de, gz @ c.double()) < 1e-2 and rel_err(dc, gz.T @ e.double()) < 1e-2
+
+
 @pytest.mark.parametrize("dtype, features", [(torch.float32, "plain"), (torch.bfloat16, "plain"),
                                              (torch.bfloat16, "bias+softcap"), (torch.float16, "bias+softcap")], ids=str)
 def test_fused_blocks_tiles_and_pieces_against_float64(dtype, features, device):

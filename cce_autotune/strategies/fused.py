@@ -164,7 +164,9 @@ class Fused(Strategy):
         n_tiles = -(-V // tv)
         # (rows of g 16-byte aligned: at an odd V such as GPT-2's 50257, cuBLAS takes a path several
         # times slower for its products with g's rows at V elements apart)
-        g = torch.empty((R, _aligned(V)), dtype=e.dtype, device=dev)[:, :V]
+        g_rows = torch.empty((R, _aligned(V)), dtype=e.dtype, device=dev)
+        g_rows[:, V:].zero_()  # (not the gradient's; a product may read them: the CPU's bf16 GEMM, times zero)
+        g = g_rows[:, :V]
         u = g.view(torch.float16) if g.element_size() == 2 else g  # (u <= 1: fp16, finer than bf16)
         stats = torch.empty((2, R, n_tiles), dtype=torch.float32, device=dev)  # each tile's max, sum
         # E's rows of a block and C as TMA descriptors where the layout allows them (C's once)
