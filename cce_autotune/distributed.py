@@ -40,7 +40,7 @@ import torch
 
 from .options import Options
 from .runtime import ops
-from .runtime.call import Call, pred_shape, prepare
+from .runtime.call import Call, loss_dtype, pred_shape, prepare
 from .runtime.execute import add_uniform_term, reduce_loss
 
 __all__ = ["has_dtensor", "linear_cross_entropy"]
@@ -253,9 +253,9 @@ def vocab_parallel_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torc
     loss_l, lse_l, state = ops.run_forward(e, c, bias, sh.t_op, None, sh.local_options, needs_grad)
     parts = [lse_l, torch.where(sh.in_shard, lse_l - loss_l.reshape(-1), 0.0)]
     if o.label_smoothing:  # Σ_v z_v of each row over the shard: e_i · Σ_v c_v + Σ_v b_v
-        zsum = sh.rows.reshape(-1, D).float() @ c.sum(0, dtype=torch.float32)
+        zsum = sh.rows.reshape(-1, D).to(call.dtype) @ c.sum(0, dtype=call.dtype)
         if bias is not None:
-            zsum = zsum + bias.sum(dtype=torch.float32)
+            zsum = zsum + bias.sum(dtype=call.dtype)
         parts.append(zsum)
     # With the rows' parts go what every rank checks at once, in the same gather: a target out of
     # range, and whether the ranks hold the same rows (the layout this loss is for).
@@ -281,8 +281,9 @@ def vocab_parallel_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torc
 def _vocab_parallel_forward_fake(e, c, bias, targets, token_weights, options, V, lo, group, reduce_de, needs_grad):
     o = Options.decode(options)
     shape = pred_shape(e.shape[:-1], o.shift)
-    loss = e.new_empty(shape if o.reduction == "none" else (), dtype=torch.float32)
-    return (loss, e.new_empty((math.prod(shape),), dtype=torch.float32),
+    dt = loss_dtype(e.dtype)
+    loss = e.new_empty(shape if o.reduction == "none" else (), dtype=dt)
+    return (loss, e.new_empty((math.prod(shape),), dtype=dt),
             torch.empty((), dtype=torch.int64, device="cpu"))
 
 
@@ -308,7 +309,7 @@ def vocab_parallel_backward(grad_loss: Optional[torch.Tensor], grad_lse: Optiona
     de, dc, db = ops.run_backward(coef_t, coef_s - coef_t, e, c, bias, sh.t_op, None, lse, state,
                                   sh.local_options, shards=_Shards(pg, e.device))
     if coef_u is not None:  # the smoothing term, with the shard's column sum (dE's sums over the shards)
-        de, dc, db = add_uniform_term(e, call, coef_u, c.sum(0, dtype=torch.float32), de, dc, db)
+        de, dc, db = add_uniform_term(e, call, coef_u, c.sum(0, dtype=call.dtype), de, dc, db)
     if reduce_de:
         dist.all_reduce(de, group=pg)
     return de, dc, db if db is not None else e.new_empty((0,))

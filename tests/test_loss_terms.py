@@ -97,6 +97,27 @@ def test_loss_terms_match_float64_oracle(impl, case, reduction, device):
     assert_within(res)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_float64_inputs_pass_gradcheck(reduction):
+    # float64 embeddings (the PyTorch path): the loss, the LSE and the per-row terms are float64 too,
+    # as F.cross_entropy's, so that torch.autograd.gradcheck's finite differences see the loss's own
+    # precision (with them in fp32 every numerical derivative was off by about 0.2).
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(2, 6, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    c = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(11, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, 11, (2, 6), generator=g)
+    t[0, 2] = -100
+    w = torch.rand(2, 6, generator=g, dtype=torch.float64)
+    for kw in (dict(), dict(shift=1, softcap=5.0, label_smoothing=0.1, z_loss=0.01, token_weights=w)):
+        loss, lse = linear_cross_entropy(e, c, t, b, reduction=reduction, return_lse=True, **kw)
+        assert loss.dtype == lse.dtype == torch.float64
+        assert torch.autograd.gradcheck(lambda *x: linear_cross_entropy(*x[:2], t, x[2], reduction=reduction, **kw),
+                                        (e, c, b))
+        assert torch.autograd.gradcheck(
+            lambda *x: linear_cross_entropy(*x[:2], t, x[2], reduction=reduction, return_lse=True, **kw)[1], (e, c, b))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_loss_terms_in_16_bit(impl, dtype, device):

@@ -24,7 +24,7 @@ from ..strategies import forward as fwd
 from ..strategies.common import RowLayout
 from ..strategies.rows import row_coefficients
 
-__all__ = ["Call", "prepare", "pred_shape", "raise_landed_checks", "rows_flatten"]
+__all__ = ["Call", "prepare", "loss_dtype", "pred_shape", "raise_landed_checks", "rows_flatten"]
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Call:
     options: Options
     pred_shape: torch.Size  # shape of the predicted targets (targets[..., shift:])
     valid: torch.Tensor  # (n,) bool: the position's target is not ignore_index
-    weights: torch.Tensor  # (n,) fp32: the token weight of each position, 0 where ignored (or out of range)
+    weights: torch.Tensor  # (n,) in dtype: the token weight of each position, 0 where ignored (or out of range)
     rows: torch.Tensor  # row index of each predicting position in e.reshape(-1, D)
     layout: RowLayout | None  # how the kernels address those rows (Triton path)
     targets: torch.Tensor  # (n,) int64 target of each position; 0 where ignored or out of range
@@ -46,6 +46,8 @@ class Call:
     firsts: torch.Tensor | None = None  # kernels' path: each block's first position out of range and its target
     _denominator: torch.Tensor | None = field(default=None, repr=False)
     _unit_coef: torch.Tensor | None = field(default=None, repr=False)
+    dtype: torch.dtype = torch.float32  # the loss's, the LSE's and the per-row terms': float64 for float64 e
+
 
     @property
     def n_rows(self) -> int:
@@ -123,18 +125,18 @@ class Call:
                                     self.weights, lse, self.denominator() if o.reduction == "mean" else None,
                                     reduction=o.reduction, label_smoothing=o.label_smoothing, V=self.V,
                                     z_loss=o.z_loss)
-        n = self.n_rows
+        n, dt = self.n_rows, self.dtype
         if grad_loss is None:
-            g = torch.zeros(n, dtype=torch.float32, device=lse.device)
+            g = torch.zeros(n, dtype=dt, device=lse.device)
         elif o.reduction == "none":
             # (a select, not a product: an infinite incoming gradient at an ignored row stays out)
-            g = torch.where(self.valid, grad_loss.reshape(-1).float() * self.weights, 0.0)
+            g = torch.where(self.valid, grad_loss.reshape(-1).to(dt) * self.weights, 0.0)
         else:
-            g = torch.where(self.valid, grad_loss.float() * self.unit_coef(), 0.0)
+            g = torch.where(self.valid, grad_loss.to(dt) * self.unit_coef(), 0.0)
         coef_t = g * (1.0 - o.label_smoothing) if o.label_smoothing else g
         coef_s = g * (1.0 + 2.0 * o.z_loss * lse) if o.z_loss else g
         if grad_lse is not None:
-            coef_s = coef_s + torch.where(self.valid, grad_lse.reshape(-1).float(), 0.0)
+            coef_s = coef_s + torch.where(self.valid, grad_lse.reshape(-1).to(dt), 0.0)
         coef_u = g * (o.label_smoothing / self.V) if o.label_smoothing else None
         lse_v = torch.where(self.valid, lse, float("inf"))
         return coef_s.contiguous(), coef_t.contiguous(), coef_u, lse_v
@@ -186,6 +188,7 @@ def prepare(e, c, targets, bias, token_weights, o: Options, impl: str, V: int | 
     """The call's rows, targets and weights (and, on the kernels' path, their layout); ``V``: the
     vocabulary's size where ``c`` holds a shard of it (default: c's rows)."""
     dev = e.device
+    dt = loss_dtype(e.dtype)
     V = c.shape[0] if V is None else V
     batch = tuple(e.shape[:-1])
     T = batch[-1]
@@ -203,14 +206,21 @@ def prepare(e, c, targets, bias, token_weights, o: Options, impl: str, V: int | 
         tgt = torch.where(takes_part, raw, 0).to(torch.int64)
         # A select: the weight of an ignored position (NaN or inf where a padding sequence's weights
         # are 1/0) never reaches the loss or the gradients.
-        weights = takes_part.float() if tw is None else torch.where(takes_part, tw.float(), 0.0)
+        weights = takes_part.to(dt) if tw is None else torch.where(takes_part, tw.to(dt), 0.0)
     # Row of each prediction in e.reshape(-1, D).
     row_strides = _contiguous_strides(batch)
     rows = _grid_offsets(shape, row_strides, dev)
     layout = _row_layout(e, shape, row_strides) if impl == "triton" else None
     return Call(impl=impl, options=o, pred_shape=shape, valid=valid, weights=weights, rows=rows, layout=layout,
                 targets=tgt, out_of_range=out_of_range, raw_targets=raw, V=V, has_token_weights=token_weights is not None,
-                firsts=firsts)
+                firsts=firsts, dtype=dt)
+
+
+def loss_dtype(e_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the loss, the LSE and the per-row terms of a call whose embeddings are ``e_dtype``:
+    float32, or float64 for float64 embeddings (the PyTorch path), whose loss and gradients are then
+    float64 throughout (as PyTorch's cross_entropy's: ``torch.autograd.gradcheck`` passes)."""
+    return torch.float64 if e_dtype == torch.float64 else torch.float32
 
 
 _OFFSETS: dict = {}  # (shape, strides, device, stream) -> the offsets: the same tensor for every call of a shape

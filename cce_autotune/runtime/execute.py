@@ -139,10 +139,11 @@ def reduce_loss(call: Call, lse, zt, zsum) -> tuple:
         if den is not None:
             call.keep_denominator(den)
         return (loss.view(call.pred_shape) if o.reduction == "none" else loss), lse_out
-    lse = lse.float()
-    row = lse - (1.0 - ls) * zt.float() if ls else lse - zt.float()
+    dt = call.dtype
+    lse = lse.to(dt)
+    row = lse - (1.0 - ls) * zt.to(dt) if ls else lse - zt.to(dt)
     if ls:
-        row = row - (ls / call.V) * zsum.float()
+        row = row - (ls / call.V) * zsum.to(dt)
     if o.z_loss:
         row = row + o.z_loss * lse * lse
     # torch's cross_entropy gives NaN for a row whose logits hold +inf (or are all -inf).
@@ -287,13 +288,15 @@ def backward_reference(call: Call, e, c, bias, lse, coef_s, coef_t, coef_u) -> t
 
 def add_uniform_term(e, call: Call, coef_u, csum, de, dc, dbias):
     """The label-smoothing term -coef_u[i] of every logit of row i: dE[row i] -= coef_u[i] Σ_v C[v],
-    every dC row -= Σ_i coef_u[i] e_i, every dbias entry -= Σ_i coef_u[i] (products in fp32)."""
+    every dC row -= Σ_i coef_u[i] e_i, every dbias entry -= Σ_i coef_u[i] (products in the call's
+    dtype: fp32, float64 for float64 e)."""
     D = e.shape[-1]
+    dt = call.dtype
     de2 = de.view(-1, D)
     r = call.rows
-    de2[r] = (de2[r].float() - coef_u[:, None] * csum[None, :]).to(de.dtype)
-    u = coef_u @ call.layout.take(e).float()
-    dc = (dc.float() - u[None, :]).to(dc.dtype) if dc.dtype != torch.float32 else dc.sub_(u[None, :])
+    de2[r] = (de2[r].to(dt) - coef_u[:, None] * csum[None, :]).to(de.dtype)
+    u = coef_u @ call.layout.take(e).to(dt)
+    dc = (dc.to(dt) - u[None, :]).to(dc.dtype) if dc.dtype != dt else dc.sub_(u[None, :])
     if dbias is not None:
-        dbias = (dbias.float() - coef_u.sum()).to(dbias.dtype)
+        dbias = (dbias.to(dt) - coef_u.sum()).to(dbias.dtype)
     return de, dc, dbias

@@ -29,7 +29,7 @@ from ..options import Options
 from ..planning import planner
 from ..variant import KernelVariants, VariantError
 from . import execute
-from .call import pred_shape, prepare, raise_landed_checks
+from .call import loss_dtype, pred_shape, prepare, raise_landed_checks
 
 __all__ = ["lce_forward", "lce_backward", "start", "run_forward", "run_backward", "no_double_backward"]
 
@@ -160,7 +160,8 @@ _TAGS = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_uns
 def lce_forward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                 token_weights: Optional[torch.Tensor], options: str, needs_grad: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, per-position LSE (n,) fp32 with 0 at ignored positions, handle)."""
+    """(loss, per-position LSE (n,) with 0 at ignored positions, handle); loss and LSE in fp32 (float64
+    for float64 ``e``: :func:`~cce_autotune.runtime.call.loss_dtype`)."""
     loss, lse, state = run_forward(e, c, bias, targets, token_weights, Options.decode(options), needs_grad)
     handle = torch.zeros((), dtype=torch.int64)
     if needs_grad:
@@ -173,8 +174,9 @@ def _lce_forward_fake(e, c, bias, targets, token_weights, options, needs_grad):
     o = Options.decode(options)
     shape = pred_shape(e.shape[:-1], o.shift)
     n = math.prod(shape)
-    loss = e.new_empty(shape if o.reduction == "none" else (), dtype=torch.float32)
-    return loss, e.new_empty((n,), dtype=torch.float32), torch.empty((), dtype=torch.int64, device="cpu")
+    dt = loss_dtype(e.dtype)
+    loss = e.new_empty(shape if o.reduction == "none" else (), dtype=dt)
+    return loss, e.new_empty((n,), dtype=dt), torch.empty((), dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("cce_autotune::lce_backward", mutates_args=(), tags=_TAGS)
