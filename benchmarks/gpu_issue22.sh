@@ -6,6 +6,8 @@
 #          every mode of ours ($LM_SHAPES, $METHODS);
 #   mixed: the fp32 classifier under autocast on real hidden states ($MIXED_SHAPES);
 #   train: whole training steps, fp32 master weights under bf16 autocast ($TRAIN_SHAPES);
+#   hf:    whole steps of Hugging Face models built from configs ($HF_FAMILIES, default llama,qwen3,gemma2),
+#          unpatched, patched and with Liger's patch (carry transformers: --deps transformers==5.24.0);
 #   grid:  `cce-bench --grid` on $GRID_DATA (default lm,sampled) at $GRID_SHAPES (default: every head), every
 #          mode and the peers (the whole grid takes about 15 minutes on an H200: split it over two runs).
 # Results under $OUT.
@@ -40,6 +42,10 @@ for phase in ${PHASES:-tests lm mixed train}; do
       --shapes ${TRAIN_SHAPES:-gpt768,gpt4096} --methods "torch,cce_autotune,cce_autotune_exact,cce_autotune_cast,$PEERS" \
       --loop-steps ${LOOP_STEPS:-30} > "$OUT/bench_train.txt" 2>&1
     echo "== bench train rc $?"; grep -E "train_step" "$OUT/bench_train.txt" | head -20 ;;
+  hf)
+    timeout ${HF_S:-400} python3 -m cce_autotune.bench --out "$OUT" --tag hf --train --hf ${HF_FAMILIES:-llama,qwen3,gemma2} \
+      --methods unpatched,cce_autotune,liger_flce --loop-steps ${LOOP_STEPS:-20} > "$OUT/bench_hf.txt" 2>&1
+    echo "== bench hf rc $?"; grep -E "train_step|hf" "$OUT/bench_hf.txt" | head -20 ;;
   grid)
     timeout ${GRID_S:-540} python3 -m cce_autotune.bench --grid --out "$OUT" --tag ${GRID_TAG:-grid} --data ${GRID_DATA:-lm,sampled} \
       ${GRID_SHAPES:+--shapes $GRID_SHAPES} --reps ${REPS:-20} > "$OUT/bench_grid.txt" 2>&1
