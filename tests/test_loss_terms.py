@@ -318,8 +318,9 @@ def test_mixed_precision_forward_converts_chunks_like_a_16_bit_classifier(device
     variant = MAPPED.lse_forward
     zt = kernels.indexed_dot(e, c, b, rows, t, None, SMALL.indexed_dot)
     zt16 = kernels.indexed_dot(e, c.to(e.dtype), b, rows, t, None, SMALL.indexed_dot)
-    # (Triton's interpreter truncates in-kernel bf16 casts; a GPU rounds them to nearest, as torch.)
-    assert torch.equal(zt, zt16) if device == "cuda" else rel_err(zt, zt16) < 2e-2
+    # (the target logits of C rounded in the kernel: to nearest, as torch, also under Triton's
+    # interpreter, whose own casts to bfloat16 truncate)
+    assert torch.equal(zt, zt16)
     lse, tmap = kernels.lse_forward(e, c, b, rows, None, variant, perm=perm, zt=zt16, convert_chunk=chunk)
     lse16, tmap16 = kernels.lse_forward(e, c.to(e.dtype), b, rows, None, variant, perm=perm, zt=zt16)
     assert torch.equal(tmap.q, tmap16.q)
