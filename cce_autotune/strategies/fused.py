@@ -146,7 +146,7 @@ class Fused(Strategy):
         dev = e.device
         e2 = e.reshape(-1, D)
         dense = rows.dense_stride is not None and e2.shape[0] == n
-        row_idx = rows.row_index(D)
+        row_idx = None if dense else rows.row_index(D)  # (gathered rows only: one division a call less)
         lse = torch.empty(n, dtype=torch.float32, device=dev)
         zt = torch.empty(n, dtype=torch.float32, device=dev)
         # (dense rows: every row of dE is written by a block's product; dC is written by the first
