@@ -92,50 +92,50 @@ def test_random_configurations_match_the_float64_path(seed, device):
     c = cfg["c"].to(device).clone()  # (one storage, changed in place between calls)
     V = c.shape[0]
     tol = TOL[e.dtype] * (3 if run["filter_eps"] else 1)
-    torch.use_deterministic_algorithms(cfg["deterministic"])
-    try:
-        for call in range(4):
-            if call >= 2 and cfg["drift"]:
-                with torch.no_grad():
-                    noise = torch.randn(c.shape, generator=torch.Generator().manual_seed(seed + call))
-                    c.add_(noise.to(device=device, dtype=c.dtype), alpha=cfg["drift"])
-            t = cfg["t"]
-            if call == 3 and cfg["new_targets"]:
-                t = torch.where(t == o["ignore_index"], t, (t + 1) % V)
-            t = t.to(device)
-            kw = dict(o, token_weights=w.to(device) if w is not None else None)
-            # The float64 oracle: the PyTorch path on the inputs as the kernels see them (an fp32
-            # classifier with 16-bit e: its logits are those of C rounded to e's dtype).
-            ref_in = [x.detach().double().requires_grad_() if x is not None else None
-                      for x in (e, c.to(e.dtype) if c.dtype != e.dtype else c, b)]
-            ref = linear_cross_entropy(ref_in[0], ref_in[1], t, ref_in[2], impl="torch", **kw)
-            ref, ref_lse = ref if o["return_lse"] else (ref, None)
-            if call == 0:
-                mat = _materialised(*ref_in[:2], t, ref_in[2], o, kw["token_weights"])
-                assert _err(ref.nan_to_num(), mat.nan_to_num()) < 1e-9  # (NaN: every position ignored, as torch)
-            up = torch.linspace(0.5, 1.5, ref.numel(), dtype=torch.float64, device=device).view(ref.shape)
-            up_lse = torch.linspace(-1, 1, ref_lse.numel(), dtype=torch.float64, device=device).view(ref_lse.shape) \
-                if ref_lse is not None else None
+    for call in range(4):
+        if call >= 2 and cfg["drift"]:
+            with torch.no_grad():
+                noise = torch.randn(c.shape, generator=torch.Generator().manual_seed(seed + call))
+                c.add_(noise.to(device=device, dtype=c.dtype), alpha=cfg["drift"])
+        t = cfg["t"]
+        if call == 3 and cfg["new_targets"]:
+            t = torch.where(t == o["ignore_index"], t, (t + 1) % V)
+        t = t.to(device)
+        kw = dict(o, token_weights=w.to(device) if w is not None else None)
+        # The float64 oracle: the PyTorch path on the inputs as the kernels see them (an fp32
+        # classifier with 16-bit e: its logits are those of C rounded to e's dtype).
+        ref_in = [x.detach().double().requires_grad_() if x is not None else None
+                  for x in (e, c.to(e.dtype) if c.dtype != e.dtype else c, b)]
+        ref = linear_cross_entropy(ref_in[0], ref_in[1], t, ref_in[2], impl="torch", **kw)
+        ref, ref_lse = ref if o["return_lse"] else (ref, None)
+        if call == 0:
+            mat = _materialised(*ref_in[:2], t, ref_in[2], o, kw["token_weights"])
+            assert _err(ref.nan_to_num(), mat.nan_to_num()) < 1e-9  # (NaN: every position ignored, as torch)
+        up = torch.linspace(0.5, 1.5, ref.numel(), dtype=torch.float64, device=device).view(ref.shape)
+        up_lse = torch.linspace(-1, 1, ref_lse.numel(), dtype=torch.float64, device=device).view(ref_lse.shape) \
+            if ref_lse is not None else None
 
-            def total(loss, lse):
-                s = (loss * up.to(loss.dtype)).sum()
-                return s + (lse * up_lse.to(lse.dtype)).sum() if lse is not None else s
+        def total(loss, lse):
+            s = (loss * up.to(loss.dtype)).sum()
+            return s + (lse * up_lse.to(lse.dtype)).sum() if lse is not None else s
 
-            total(ref, ref_lse).backward()
-            xs = [e.detach().clone(), c, b.detach().clone() if b is not None else None]
-            for j, x in enumerate(xs):
-                if x is not None:
-                    x.grad = None
-                    x.requires_grad_(cfg["grads"] == "both" or (cfg["grads"] == "e") == (j == 0) or j == 2)
+        total(ref, ref_lse).backward()
+        xs = [e.detach().clone(), c, b.detach().clone() if b is not None else None]
+        for j, x in enumerate(xs):
+            if x is not None:
+                x.grad = None
+                x.requires_grad_(cfg["grads"] == "both" or (cfg["grads"] == "e") == (j == 0) or j == 2)
+        torch.use_deterministic_algorithms(cfg["deterministic"])  # (the kernels' call only: not the oracle's)
+        try:
             out = linear_cross_entropy(xs[0], xs[1], t, xs[2], impl="triton", **run, **kw)
             out, lse = out if o["return_lse"] else (out, None)
             total(out, lse).backward()
-            c.requires_grad_(False)
-            errors = {"loss": _err(out.nan_to_num(), ref.nan_to_num()), "lse": _err(lse, ref_lse)}
-            for name, x, r in zip(("dE", "dC", "dbias"), xs, ref_in):
-                if x is not None and x.requires_grad:
-                    assert x.grad.dtype == x.dtype and torch.isfinite(x.grad).all(), (name, call)
-                    errors[name] = _err(x.grad, r.grad)
-            assert max(errors.values()) < tol, (call, errors, {k: v for k, v in cfg.items() if k not in "ectbw"})
-    finally:
-        torch.use_deterministic_algorithms(False)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        c.requires_grad_(False)
+        errors = {"loss": _err(out.nan_to_num(), ref.nan_to_num()), "lse": _err(lse, ref_lse)}
+        for name, x, r in zip(("dE", "dC", "dbias"), xs, ref_in):
+            if x is not None and x.requires_grad:
+                assert x.grad.dtype == x.dtype and torch.isfinite(x.grad).all(), (name, call)
+                errors[name] = _err(x.grad, r.grad)
+        assert max(errors.values()) < tol, (call, errors, {k: v for k, v in cfg.items() if k not in "ectbw"})
