@@ -151,7 +151,7 @@ def linear_cross_entropy(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor
 {options}
 
     Returns:
-        The loss (fp32), or ``(loss, lse)`` when ``return_lse``.
+        The loss (fp32; float64 for float64 inputs), or ``(loss, lse)`` when ``return_lse``.
 
     The call is one custom operator each way (:mod:`cce_autotune.runtime.ops`): it compiles with
     ``torch.compile(fullgraph=True)`` and runs on meta tensors (shapes only).
