@@ -14,7 +14,7 @@ from test_variants import filtered_bound
 
 
 def terms_loss(e, c, t, b=None, *, softcap=None, reduction="mean", shift=0, label_smoothing=0.0, token_weights=None,
-               z_loss=0.0, compute_dtype=None):
+               z_loss=0.0, compute_dtype=None, ignore_index=-100):
     """Plain PyTorch with the logits materialised (in ``compute_dtype``, default e's; an fp32
     classifier is first rounded to e's dtype, as autocast's matmul would)."""
     if c.dtype != e.dtype and c.dtype == torch.float32 and e.dtype in (torch.bfloat16, torch.float16):
@@ -23,8 +23,8 @@ def terms_loss(e, c, t, b=None, *, softcap=None, reduction="mean", shift=0, labe
     z = materialised_logits(e, c, b, softcap, compute_dtype)
     z = z.narrow(-2, 0, T - shift).reshape(-1, z.shape[-1])
     tt = t.narrow(-1, shift, T - shift).reshape(-1)
-    row = F.cross_entropy(z, tt, ignore_index=-100, reduction="none", label_smoothing=label_smoothing)
-    valid = (tt != -100).to(z.dtype)
+    row = F.cross_entropy(z, tt, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    valid = (tt != ignore_index).to(z.dtype)
     row = row + z_loss * torch.logsumexp(z, -1) ** 2 * valid
     w = valid if token_weights is None else valid * token_weights.narrow(-1, shift, T - shift).reshape(-1).to(z.dtype)
     row = row * w
