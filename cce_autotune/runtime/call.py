@@ -48,7 +48,6 @@ class Call:
     _unit_coef: torch.Tensor | None = field(default=None, repr=False)
     dtype: torch.dtype = torch.float32  # the loss's, the LSE's and the per-row terms': float64 for float64 e
 
-
     @property
     def n_rows(self) -> int:
         return self.rows.shape[0]
