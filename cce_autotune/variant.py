@@ -194,18 +194,26 @@ class LSEForwardVariant(_TiledVariant):
       reduction merges afterwards (no locks, deterministic);
     - ``"lock"``: programs merge into the (B,) result under a spin lock; row block ``b`` uses lock
       ``b % num_locks``.
+
+    ``flatten``: the program's loop over its vocabulary tiles and the tile's loop over D are one
+    loop to the compiler (``tl.range(flatten=True)``), so that its software pipeline loads the next
+    tile's operands while the tile's max, exponentials and sum are computed, instead of filling
+    again at each tile. The same result; which is faster is the device's and the compiler's to say.
     """
 
     kernel: ClassVar[str] = "lse_forward"
     num_splits: int = 16
     merge: str = "buffer"
     num_locks: int = 64
+    flatten: bool = False
 
     def _validate_own(self) -> None:
         super()._validate_own()
         _check_int("num_splits", self.num_splits, 1, 4096)
         _check_choice("merge", self.merge, ("buffer", "lock"))
         _check_pow2("num_locks", self.num_locks, 1, 4096)
+        if not isinstance(self.flatten, bool):
+            raise VariantError(f"flatten={self.flatten!r}: must be true or false")
 
 
 @dataclass(frozen=True)

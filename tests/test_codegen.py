@@ -50,6 +50,9 @@ def test_structural_switches_change_the_source():
     assert "cce_tanh(" not in render_source(LSEForwardVariant(), Flags())
     assert "input_precision=\"ieee\"" in render_source(LSEForwardVariant(), Flags(ieee_dot=True))
     assert ".to(tl.float32), c_blk.to(tl.float32)" in render_source(LSEForwardVariant(), Flags(interpret=True))
+    # flatten: the LSE kernel's loop over its vocabulary tiles is a flattened tl.range (the D loop in it)
+    flat = "tl.range(pid_n, num_v, num_splits, flatten=True)"
+    assert flat in render_source(LSEForwardVariant(flatten=True)) and flat not in render_source(LSEForwardVariant())
     chunked = render_source(BackwardVariant(strategy="chunked"))
     assert "def cce_grad_chunk_kernel(" in chunked and "atomic_add(DE" not in chunked and "TileLive +" not in chunked
     # With the live grid of a tile map, dead tiles are written as zeros without recomputing them.
@@ -90,6 +93,7 @@ def test_variant_validation_and_roundtrip():
     bad = [
         (LSEForwardVariant, {"block_v": 100}, "block_v"),
         (LSEForwardVariant, {"merge": "atomic"}, "merge"),
+        (LSEForwardVariant, {"flatten": 1}, "flatten"),
         (BackwardVariant, {"filter_eps": 1.5}, "filter_eps"),
         (BackwardVariant, {"strategy": "tiles"}, "strategy"),
         (IndexedDotVariant, {"num_warps": 3}, "num_warps"),

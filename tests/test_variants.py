@@ -1,8 +1,8 @@
 """Every kernel variant the tuner may pick must pass the same checks as the defaults.
 
 The sweeps cover each knob value of the search spaces at least once (block shapes, warps, stages,
-group size, splits, both LSE merges, lock counts, sorting on/off, filtering on/off), on shapes that
-divide no block.
+group size, splits, both LSE merges, lock counts, the flattened loop, sorting on/off, filtering
+on/off), on shapes that divide no block.
 """
 
 import itertools
@@ -25,10 +25,12 @@ def test_indexed_dot_variants(block_b, block_d, device):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("merge, num_locks, num_splits", [("buffer", 64, 1), ("buffer", 64, 7), ("lock", 1, 64), ("lock", 4, 3)])
-def test_lse_forward_variants(shape, merge, num_locks, num_splits, device):
+@pytest.mark.parametrize("merge, num_locks, num_splits, flatten", [("buffer", 64, 1, False), ("buffer", 64, 7, True),
+                                                                   ("lock", 1, 64, False), ("lock", 4, 3, True)])
+def test_lse_forward_variants(shape, merge, num_locks, num_splits, flatten, device):
+    # (flatten: the tile loop and the D loop one loop to the compiler; the same result)
     bb, bv, bd = shape
-    v = LSEForwardVariant(block_b=bb, block_v=bv, block_d=bd, merge=merge, num_locks=num_locks,
+    v = LSEForwardVariant(block_b=bb, block_v=bv, block_d=bd, merge=merge, num_locks=num_locks, flatten=flatten,
                           num_splits=num_splits, group_b=1 if num_splits == 7 else 4, num_warps=4, num_stages=2)
     res, _ = run_case((37,), 301, 45, torch.float32, variants=SMALL.replace(lse_forward=v), bias=True, device=device)
     assert_within(res)
