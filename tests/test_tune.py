@@ -392,6 +392,31 @@ def test_storage_creation_retries_a_lost_race(isolated, monkeypatch):
     storage = tune.make_storage(f"sqlite:///{isolated['tmp'] / 'race.db'}")
     assert len(calls) == 2 and isinstance(storage, optuna.storages.RDBStorage)
 
+# ... and when SQLite refuses the journal-mode change at once ("database is locked", sqlite3's own
+# error, without waiting for the lock: seen in the four-process test below on a loaded machine).
+def test_storage_creation_retries_a_journal_mode_refused_while_locked(isolated, monkeypatch):
+    import sqlite3
+
+    real, calls = sqlite3.connect, []
+
+    class Refusing:
+        def __init__(self, con):
+            self.con = con
+
+        def execute(self, sql):
+            calls.append(sql)
+            if len(calls) == 1:
+                raise sqlite3.OperationalError("database is locked")
+            return self.con.execute(sql)
+
+        def close(self):
+            self.con.close()
+
+    monkeypatch.setattr(tune.study.sqlite3, "connect", lambda *a, **k: Refusing(real(*a, **k)))
+    storage = tune.make_storage(f"sqlite:///{isolated['tmp'] / 'locked.db'}")
+    assert calls == ["PRAGMA journal_mode=WAL"] * 2 and isinstance(storage, optuna.storages.RDBStorage)
+
+
 def test_concurrent_creation_of_one_database(isolated):
     # Four processes open the same fresh database at once (the crash the issue saw in 2 of 4 runs).
     url = f"sqlite:///{isolated['tmp'] / 'fresh.db'}"

@@ -115,12 +115,13 @@ def make_storage(url: str | None = None) -> optuna.storages.BaseStorage:
     Several processes may open one fresh database at once (``--workers``, or machines sharing a
     ``--storage``): the one that loses the race to create Optuna's tables gets an IntegrityError
     (or "table ... already exists", "database is locked"); it waits a moment and opens the now
-    existing database again."""
+    existing database again. (SQLite refuses a change of journal mode with "database is locked" at
+    once, without waiting for the lock, while another process holds it: sqlite3's own error.)"""
     url = url or default_storage_url()
     for attempt in range(STORAGE_ATTEMPTS):
         try:
             return _open_storage(url)
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError) as exc:
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError, sqlite3.OperationalError) as exc:
             racing = isinstance(exc, sqlalchemy.exc.IntegrityError) or any(
                 m in str(exc).lower() for m in ("locked", "already exists"))
             if attempt == STORAGE_ATTEMPTS - 1 or not racing:
