@@ -153,7 +153,15 @@ class IndexedDotVariant(_Variant):
 
 @dataclass(frozen=True)
 class _TiledVariant(_Variant):
-    """Knobs of the two kernels that tile the (tokens x vocabulary) logit matrix."""
+    """Knobs of the two kernels that tile the (tokens x vocabulary) logit matrix.
+
+    ``flatten``: a program's loop over its vocabulary tiles and each tile's loop over D are one loop to
+    the compiler (``tl.range(flatten=True)``), so that its software pipeline loads the next tile's
+    operands while this tile's epilogue (max, exponentials, sums, stores) runs, instead of filling
+    again at each tile. The LSE forward's programs each walk many tiles already; a kernel of one
+    tile per program (the fused strategy's logits kernel) becomes persistent with it: as many
+    programs as the device runs at once, each taking tiles round robin. The same results; which is
+    faster is the device's and the compiler's to say (the tuner's)."""
 
     block_b: int = 128
     block_v: int = 128
@@ -161,8 +169,11 @@ class _TiledVariant(_Variant):
     group_b: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    flatten: bool = False
 
     def _validate_own(self) -> None:
+        if not isinstance(self.flatten, bool):
+            raise VariantError(f"flatten={self.flatten!r}: must be true or false")
         _check_pow2("block_b", self.block_b, 16, 256)
         _check_pow2("block_v", self.block_v, 16, 512)
         _check_pow2("block_d", self.block_d, 16, 256)
@@ -195,25 +206,20 @@ class LSEForwardVariant(_TiledVariant):
     - ``"lock"``: programs merge into the (B,) result under a spin lock; row block ``b`` uses lock
       ``b % num_locks``.
 
-    ``flatten``: the program's loop over its vocabulary tiles and the tile's loop over D are one
-    loop to the compiler (``tl.range(flatten=True)``), so that its software pipeline loads the next
-    tile's operands while the tile's max, exponentials and sum are computed, instead of filling
-    again at each tile. The same result; which is faster is the device's and the compiler's to say.
+    ``flatten`` (of every tiled variant): the program's loop over its vocabulary tiles and the tile's
+    loop over D are one loop to the compiler.
     """
 
     kernel: ClassVar[str] = "lse_forward"
     num_splits: int = 16
     merge: str = "buffer"
     num_locks: int = 64
-    flatten: bool = False
 
     def _validate_own(self) -> None:
         super()._validate_own()
         _check_int("num_splits", self.num_splits, 1, 4096)
         _check_choice("merge", self.merge, ("buffer", "lock"))
         _check_pow2("num_locks", self.num_locks, 1, 4096)
-        if not isinstance(self.flatten, bool):
-            raise VariantError(f"flatten={self.flatten!r}: must be true or false")
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,47 @@ def test_backward_exact_variants(shape, dtype, device):
     assert_within(res)
 
 
+@pytest.mark.parametrize("strategy, eps", [("fused", None), ("chunked", None), ("chunked", 2.0**-12)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_flattened_kernels_of_one_tile_a_program_run_persistent(strategy, eps, dtype, device, monkeypatch):
+    # flatten: the fused strategy's logits kernel and the chunked strategy's gradient kernel run as
+    # persistent programs (3 in the interpreter, the device's count on a GPU) that each walk several
+    # tiles (here 3 row blocks x 10 tiles); the exact backward, and the chunked one from the tile map.
+    from cce_autotune.strategies import chunked, fused
+
+    launches = []
+    for module in (chunked, fused):
+        real = module.resident_programs
+        monkeypatch.setattr(module, "resident_programs", lambda *a, _r=real: launches.append(_r(*a)) or launches[-1])
+    v = BackwardVariant(block_b=16, block_v=32, block_d=16, strategy=strategy, flatten=True, filter_eps=eps,
+                        sort_vocab=eps is not None, tile_map=eps is not None, group_b=2)
+    kv = SMALL.replace(lse_forward=SMALL.lse_forward.replace(flatten=True), backward=v)  # (see the next test)
+    res, (e, c, t, b) = run_case((37,), 301, 45, dtype, variants=kv, bias=True, softcap=9.0,
+                                 shift=1, peaked=1.5, filter_eps="auto" if eps else None,
+                                 walk="sorted" if eps else None, device=device)
+    if eps is not None:
+        bound_de, bound_dc = filtered_bound(e, c, t, b, eps)
+        res["dE"] = (res["dE"][0], res["dE"][1] + bound_de)
+        res["dC"] = (res["dC"][0], res["dC"][1] + bound_dc)
+        res.pop("dbias")
+    assert_within(res)
+    assert launches and all(p < 30 for p in launches) if device == "cpu" else launches
+
+
+def test_the_forward_s_flatten_reaches_the_kernels_that_take_its_tiles(monkeypatch, device):
+    # Without a map the fused and chunked strategies take the forward's tiling, its flatten with it.
+    from cce_autotune.strategies import fused
+
+    seen = []
+    real = fused.resident_programs
+    monkeypatch.setattr(fused, "resident_programs", lambda *a: seen.append(a) or real(*a))
+    kv = SMALL.replace(lse_forward=SMALL.lse_forward.replace(flatten=True),
+                       backward=SMALL.backward.replace(strategy="fused", flatten=False))
+    res, _ = run_case((37,), 301, 45, torch.bfloat16, variants=kv, device=device)
+    assert_within(res)
+    assert seen
+
+
 def filtered_bound(e, c, t, b, eps, reduction="mean"):
     """Upper bound on the relative dE/dC error that skipping tiles with all softmax < eps can cause.
 
