@@ -10,6 +10,9 @@
 #          unpatched, patched and with Liger's patch (carry transformers: --deps transformers==5.24.0);
 #   grid:  `cce-bench --grid` on $GRID_DATA (default lm,sampled) at $GRID_SHAPES (default: every head), every
 #          mode and the peers (the whole grid takes about 15 minutes on an H200: split it over two runs).
+#   knobs: an A/B of kernel knobs in one run ($KNOBS, default the flattened tile loops:
+#          lse_forward.flatten=true,backward.flatten=true): ours as dispatched and in exact mode, with the
+#          configs' variants and with the knobs changed, at $KNOB_SHAPES on LM-like data.
 # Results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CCE_AUTOTUNE_CACHE_DIR=/tmp/cc PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -24,8 +27,8 @@ for phase in ${PHASES:-tests lm mixed train}; do
   case $phase in
   tests)
     X=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
-    timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider $X tests/test_loss.py tests/test_loss_terms.py tests/test_errors.py \
-      tests/test_determinism.py tests/test_planner.py tests/test_compile.py > "$OUT/pytest_gpu.txt" 2>&1
+    timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider $X tests/test_loss.py tests/test_loss_terms.py tests/test_errors.py \
+      tests/test_determinism.py tests/test_planner.py tests/test_compile.py tests/test_variants.py tests/test_sweep.py > "$OUT/pytest_gpu.txt" 2>&1
     echo "pytest rc $?"; tail -1 "$OUT/pytest_gpu.txt" ;;
   lm)
     M=${METHODS:-torch,cce_autotune,cce_autotune_exact,cce_autotune_deterministic,cce_autotune_unlimited,$PEERS}
@@ -50,5 +53,12 @@ for phase in ${PHASES:-tests lm mixed train}; do
     timeout ${GRID_S:-540} python3 -m cce_autotune.bench --grid --out "$OUT" --tag ${GRID_TAG:-grid} --data ${GRID_DATA:-lm,sampled} \
       ${GRID_SHAPES:+--shapes $GRID_SHAPES} --reps ${REPS:-20} > "$OUT/bench_grid.txt" 2>&1
     echo "== bench grid rc $? (the CSV holds every head that finished)"; grep -E "fw\+bw" "$OUT/bench_grid.txt" | cut -c1-175 ;;
+  knobs)
+    timeout ${KNOB_S:-400} python3 -m cce_autotune.bench --grid --out "$OUT" --tag knobs --data lm \
+      --shapes ${KNOB_SHAPES:-50257x768,50000x2048,32000x4096,128256x2048,128256x4096} \
+      --knobs ${KNOBS:-lse_forward.flatten=true,backward.flatten=true} --reps ${REPS:-20} \
+      --methods torch,cce_autotune_dispatched,cce_autotune_knobs,cce_autotune_exact_dispatched,cce_autotune_exact_knobs \
+      > "$OUT/bench_knobs.txt" 2>&1
+    echo "== bench knobs rc $?"; grep -E "fw|matmul" "$OUT/bench_knobs.txt" | cut -c1-175 ;;
   esac
 done

@@ -57,20 +57,22 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
 import torch
+import yaml
 
 from . import memory
 from .api import linear_cross_entropy
 from .bench_hf import HF_METHODS, resolve_hf, run_hf_train
+from .configdb import dispatch
 from .data import DATA_KINDS, TORCH_DTYPES, is_file_kind, load_file, make_data
 from .data import real as realdata
 from .runtime import reference
 from .train_steps import TRAIN_WARMUP_STEPS, time_graphed_steps, time_train_steps
-from .variant import KernelVariants
+from .variant import KERNELS, KernelVariants, VariantError
 
 __all__ = ["SHAPES", "DEFAULT_SHAPES", "GRID", "resolve_shapes", "resolve_grid", "parse_data", "time_ms", "run_shape",
            "check_train_shape", "run_train", "main"]
@@ -258,6 +260,49 @@ def _autocast_ours(e, c, t, softcap=None):
         return linear_cross_entropy(e, c, t, softcap=softcap)
     with torch.autocast(e.device.type, dtype=e.dtype):
         return linear_cross_entropy(e, c, t, softcap=softcap)
+
+
+def parse_knobs(spec: str) -> dict:
+    """``{kernel: {knob: value}}`` of a ``--knobs`` comma list of ``kernel.knob=value`` (values read as
+    YAML scalars: true, 4, 0.5, buffer); ValueError naming ``--knobs`` on an unknown kernel or knob or a
+    value the knob refuses."""
+    knobs: dict = {}
+    for item in (x for x in spec.split(",") if x):
+        name, eq, value = item.partition("=")
+        kernel, dot, knob = name.partition(".")
+        if not (eq and dot):
+            raise ValueError(f"--knobs: {item!r} is not kernel.knob=value")
+        if kernel not in KERNELS:
+            raise ValueError(f"--knobs: {item!r}: no kernel {kernel!r} (kernels: {', '.join(KERNELS)})")
+        names = {f.name for f in fields(KERNELS[kernel])}
+        if knob not in names:
+            raise ValueError(f"--knobs: {item!r}: {kernel} has no knob {knob!r} (knobs: {', '.join(sorted(names))})")
+        knobs.setdefault(kernel, {})[knob] = yaml.safe_load(value)
+    for kernel, changes in knobs.items():
+        try:
+            KERNELS[kernel]().replace(**changes)._validate_own()
+        except VariantError as exc:
+            raise ValueError(f"--knobs: {exc}") from exc
+    return knobs
+
+
+def _knob_methods(knobs: dict, softcap: float | None) -> list[Method]:
+    """Ours as dispatched and in exact mode, twice each: with the variants this GPU's configs give,
+    passed explicitly (``..._dispatched``), and with ``knobs`` changed in them (``..._knobs``): an A/B of
+    the knobs in one run, both sides paying the same host cost of explicit variants."""
+    def variants(e, c, changed: bool):
+        kv = dispatch.select_variants(e, c, has_softcap=softcap is not None)
+        if changed:
+            kv = kv.replace(**{k: getattr(kv, k).replace(**v) for k, v in knobs.items()})
+        return kv
+
+    def method(name, changed, **kw):
+        return Method(name, lambda e, c, t: linear_cross_entropy(e, c, t, softcap=softcap,
+                                                                 variants=variants(e, c, changed), **kw))
+
+    return [method("cce_autotune_dispatched", False), method("cce_autotune_knobs", True),
+            method("cce_autotune_exact_dispatched", False, filter_eps=None),
+            method("cce_autotune_exact_knobs", True, filter_eps=None)]
 
 
 def _methods(include_peers: bool, softcap: float | None = None) -> list[Method]:
@@ -546,9 +591,19 @@ def main(argv=None) -> int:
                     help=f"the grid: every head of {list(GRID)} (or those --shapes names), on --data (default "
                          f"{GRID_DATA}), with {', '.join(GRID_METHODS)} (those that import); Gemma 2's head with its "
                          "softcap 30")
+    ap.add_argument("--knobs", default=None, metavar="KERNEL.KNOB=VALUE,...",
+                    help="an A/B of kernel knobs in one run: adds cce_autotune_dispatched and cce_autotune_knobs "
+                         "(and their _exact counterparts): ours with the variants this GPU's configs give, and "
+                         "with these knobs changed in them (e.g. lse_forward.flatten=true,backward.flatten=true)")
     ap.add_argument("--out", default="benchmarks/results", help="folder for the CSV and PNG")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     args = ap.parse_args(argv)
+    try:
+        knobs = parse_knobs(args.knobs) if args.knobs is not None else {}
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.knobs is not None and not knobs:
+        ap.error("--knobs: no kernel.knob=value given")
     hf_families = []
     if args.hf is not None:
         if not args.train:
@@ -592,10 +647,12 @@ def main(argv=None) -> int:
             ap.error("--classifier fp32: needs a 16-bit --dtype")
         classifier_dtype = torch.float32
     keep = set(args.methods.split(",")) if args.methods else set(GRID_METHODS) if args.grid else None
+    if knobs and keep is not None and not args.methods:
+        keep |= {m.name for m in _knob_methods(knobs, None)}
 
     @functools.cache  # (one list of methods per softcap of the run's heads)
     def offered(softcap):
-        methods = _methods(not args.no_peers, softcap)
+        methods = _methods(not args.no_peers, softcap) + (_knob_methods(knobs, softcap) if knobs else [])
         if args.train:  # ours after casting the master weight to the compute dtype (see run_train); every
             # cce_autotune method of a training step already takes the fp32 master weight under autocast
             methods = [m for m in methods if m.name != "cce_autotune_fp32_classifier"]
