@@ -115,7 +115,7 @@ def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact
         for R in groups:
             if budget is not None and extra_bytes(p, w, True, not exact, R) > budget:
                 continue
-            est = cost(p, costs, 1.0, 1.0, w, True, R)
+            est = cost(p, costs, 1.0, 1.0, w, True, R, after_forward=exact)
             if best is None or est < best[0] - 1e-12:
                 best = (est, w, R)
     if best is not None:
