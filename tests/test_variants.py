@@ -36,6 +36,24 @@ def test_lse_forward_variants(shape, merge, num_locks, num_splits, flatten, devi
     assert_within(res)
 
 
+@pytest.mark.parametrize("splits, n", [(2, 1), (3, 1025), (7, 1500)])
+def test_the_splits_merge_as_torch_logsumexp(splits, n, device):
+    # merge="buffer": the splits' partial LSEs merged by one kernel, as torch.logsumexp over the splits,
+    # infinities and NaN included (a row of -inf partials gives -inf, a +inf +inf, a NaN NaN).
+    from cce_autotune.strategies.forward import merge_splits
+
+    g = torch.Generator().manual_seed(splits)
+    parts = torch.randn(splits, n, generator=g) * 30
+    parts[:, 0] = float("-inf")
+    if n > 3:
+        parts[0, 1], parts[splits - 1, 2], parts[1, 3] = float("inf"), float("nan"), float("-inf")
+    parts = parts.to(device)
+    got, want = merge_splits(parts), torch.logsumexp(parts, dim=0)
+    assert got.shape == (n,) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=2e-6, equal_nan=True)
+    assert got[0] == float("-inf") and (n <= 3 or (got[1] == float("inf") and got[2].isnan()))
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_backward_exact_variants(shape, dtype, device):

@@ -10,7 +10,8 @@ from ..codegen import load_kernel, load_utility
 from ..tile_map import TileMap
 from .common import RowLayout, convert_rows, flags, softcap_arg, tma_descriptors
 
-__all__ = ["TARGETS_BLOCK", "prepare_targets", "indexed_dot", "lse_forward", "lse_splits", "convert_width", "converted_classifier"]
+__all__ = ["TARGETS_BLOCK", "prepare_targets", "indexed_dot", "lse_forward", "lse_splits", "merge_splits", "convert_width",
+           "converted_classifier"]
 
 
 TARGETS_BLOCK = 1024  # positions a program of the targets kernel takes
@@ -153,4 +154,21 @@ def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_lo
         GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
-    return torch.logsumexp(out, dim=0) if variant.merge == "buffer" else out
+    if variant.merge == "lock":
+        return out
+    return out[0] if num_splits == 1 else merge_splits(out)
+
+
+MERGE_BLOCK = 1024  # rows a program of the splits' merge takes
+
+
+def merge_splits(parts: torch.Tensor) -> torch.Tensor:
+    """Each row's LSE, fp32 (n,), from the (splits, n) fp32 partial LSEs of the LSE forward's splits
+    (``merge="buffer"``): one launch of ``templates/lse_merge.py.j2`` (``torch.logsumexp`` takes about
+    ten kernels: its max, the masking of infinite maxima, the shift, exp, sum, log and add)."""
+    splits, n = parts.shape
+    out = torch.empty(n, dtype=torch.float32, device=parts.device)
+    if n:
+        kernel = load_utility("lse_merge.py.j2", "cce_lse_merge_kernel")
+        kernel[(triton.cdiv(n, MERGE_BLOCK),)](parts, out, n, splits, BLOCK=MERGE_BLOCK, num_warps=4)
+    return out
