@@ -27,7 +27,7 @@ PIECE = 4096
 """The built-in ``fused_block_v``: columns a program of the rescaling kernel takes (4096: 0.073-0.075 ms
 against 0.110 at 2048 for the rescaling of one block at Mistral's and Llama 3's heads on the H200)."""
 LSE_STATS = 256
-"""Tile statistics a program of the LSE kernel reads at a time."""
+"""Tile statistics a program of the rescaling kernel reads at a time (for its row's LSE)."""
 
 
 def extra_bytes(p: CallProblem, row_block: int, tile_v: int, dc_fp32: bool = False) -> int:
@@ -90,10 +90,10 @@ class Fused(Strategy):
     coefficients = (
         Coefficient("fused_products", 2.8, "its three products (the logits kernel with the gradient's epilogue, "
                     "cuBLAS's dE and dC) and the LSE, per call", fitted=True),
-        Coefficient("block_tail_ms", 0.034, "device time per block of rows beyond its products: the tails of its five "
-                    "kernels (fitted on the H200 over 2-32 blocks at six heads)"),
-        Coefficient("block_ms", 0.3, "host time per block of rows (three kernel launches, two cuBLAS products; "
-                    "0.30-0.36 ms measured on the H200's host)"),
+        Coefficient("block_tail_ms", 0.034, "device time per block of rows beyond its products: the tails of its "
+                    "kernels (fitted on the H200 over 2-32 blocks at six heads, with a kernel more than now: the LSE's)"),
+        Coefficient("block_ms", 0.3, "host time per block of rows (two kernel launches, two cuBLAS products; "
+                    "0.30-0.36 ms measured on the H200's host with three launches)"),
         Coefficient("fused_min_rows", 128, "fewest rows per block: below this cuBLAS reads C for each block of rows more "
                     "than it computes", integer=True),
         Coefficient("fused_block_v", PIECE, "columns per program of the rescaling kernel", integer=True,
@@ -193,8 +193,8 @@ class Fused(Strategy):
             if (e_desc is None) not in kernels:
                 fl = flags(e, c, bias, softcap, variant.block_d, rows, e_desc=e_desc is not None, c_desc=c_desc is not None)
                 kernels[e_desc is None] = tuple(load_kernel(v, fl, name=k) for k in (
-                    "cce_fused_logits_kernel", "cce_fused_lse_kernel", "cce_fused_grad_kernel"))
-            logits_kernel, lse_kernel, grad_kernel = kernels[e_desc is None]
+                    "cce_fused_logits_kernel", "cce_fused_grad_kernel"))
+            logits_kernel, grad_kernel = kernels[e_desc is None]
             tgt, lse_b, zt_b = tgts[b], lses[b], zts[b]
             tiles = -(-m // variant.block_b) * n_tiles
             logits_kernel[(min(tiles, programs) if variant.flatten else tiles,)](
@@ -204,10 +204,9 @@ class Fused(Strategy):
                 BLOCK_B=variant.block_b, BLOCK_V=tv, BLOCK_D=variant.block_d, GROUP_B=variant.group_b,
                 num_warps=variant.num_warps, num_stages=variant.num_stages,
             )
-            lse_kernel[(m,)](st_max, st_sum, lse_b, n_tiles, stats.stride(1), BLOCK_S=LSE_STATS, num_warps=4)
             grad_kernel[(m, -(-V // block_v))](
-                u, g, st_max, tgt, cfs[b], lse_b, zt_b, V, g.stride(0), stats.stride(1), cap,
-                TILE_V=tv, BLOCK_V=block_v, num_warps=4,
+                u, g, st_max, st_sum, tgt, cfs[b], lse_b, zt_b, V, n_tiles, g.stride(0), stats.stride(1), cap,
+                TILE_V=tv, BLOCK_V=block_v, BLOCK_S=LSE_STATS, num_warps=4,
             )
             g_blk, g_tail, g_head, g_t = whole if m == R else _products_operands(g[:m], cut)
             de_blk = de_blks[b] if dense else torch.empty((m, D), dtype=de.dtype, device=dev)
