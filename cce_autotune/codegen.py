@@ -194,10 +194,11 @@ def load_kernel(variant, flags: Flags = Flags(), name: str | None = None):
     """Render (once), cache on disk (once) and import the kernel; returns the ``@triton.jit`` function
     (``variant.kernel_function``, or ``name`` for templates that hold several kernels) in its
     :class:`~cce_autotune.launch.Launcher` (launched the same way: ``kernel[grid](...)``)."""
-    check_interpret_mode()
-    mod = _cached_module((variant, flags), lambda: _import_source(
-        f"cce_{variant.kernel}_{source_key(variant, flags)}", render_source(variant, flags)))
-    return _launcher(mod, name or variant.kernel_function)
+    def make() -> ModuleType:
+        check_interpret_mode()  # (on a render only: a kernel already loaded runs in the mode it was made for)
+        return _import_source(f"cce_{variant.kernel}_{source_key(variant, flags)}", render_source(variant, flags))
+
+    return _launcher(_cached_module((variant, flags), make), name or variant.kernel_function)
 
 
 def _launcher(mod: ModuleType, name: str) -> Launcher:
@@ -234,9 +235,8 @@ def render_utility(template: str, **switches: bool) -> str:
 def load_utility(template: str, function: str, **switches: bool):
     """Render (once), cache and import a knob-free helper kernel; returns ``function`` from it (in its
     :class:`~cce_autotune.launch.Launcher`)."""
-    check_interpret_mode()
-
     def make() -> ModuleType:
+        check_interpret_mode()  # (on a render only, as load_kernel)
         source = render_utility(template, **switches)
         digest = hashlib.sha256(source.encode()).hexdigest()[:20]
         return _import_source(f"cce_{template.split('.')[0]}_{digest}", source)
