@@ -10,7 +10,9 @@ there may still fail to compile for a GPU. Two processes close that gap:
 - ``compile``, without the interpreter: renders each recorded kernel for the GPU and compiles it with
   ``triton.compile`` for a target (``cuda:90`` ...), ptxas included: what a GPU's first launch does.
 
-``python tests/gpu_compile.py record OUT.json`` / ``python tests/gpu_compile.py compile IN.json 90``.
+``python tests/gpu_compile.py record OUT.json`` / ``python tests/gpu_compile.py compile IN.json 90 [--usage]``
+(``--usage``: each kernel's registers and stack bytes, from the cubin by the ``cuobjdump`` Triton ships: a
+kernel spilling to the stack reads and writes local memory in its loop or epilogue).
 """
 
 from __future__ import annotations
@@ -122,7 +124,28 @@ def record(path: str) -> None:
     print(f"recorded {len(records)} launches")
 
 
-def compile_records(path: str, arch: int) -> int:
+def _usage(cubin: bytes) -> tuple:
+    """(registers, stack bytes) of a cubin, or None where cuobjdump is not there."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    tool = os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def compile_records(path: str, arch: int, usage: bool = False) -> int:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile runs without the interpreter"
     import triton
     from triton.backends.compiler import GPUTarget
@@ -158,11 +181,14 @@ def compile_records(path: str, arch: int) -> int:
             continue
         done.add(key)
         try:
-            triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
-                           target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]})
+            ck = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", arch, 32),
+                                options={"num_warps": rec["num_warps"], "num_stages": rec["num_stages"]})
         except Exception as exc:  # noqa: BLE001 - every failure is reported, with the kernel it hit
             failures.append(f"{what}: {type(exc).__name__}: {str(exc)[-600:]}")
+            continue
+        if usage:
+            print(f"usage {_usage(ck.asm['cubin'])} {what}")
     print(json.dumps({"compiled": len(done), "failures": failures, "seconds": round(time.time() - t0, 1)}))
     return 1 if failures else 0
 
@@ -171,4 +197,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "record":
         record(sys.argv[2])
     else:
-        sys.exit(compile_records(sys.argv[2], int(sys.argv[3])))
+        sys.exit(compile_records(sys.argv[2], int(sys.argv[3]), usage="--usage" in sys.argv[4:]))
