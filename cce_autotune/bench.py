@@ -290,11 +290,13 @@ def _knob_methods(knobs: dict, softcap: float | None) -> list[Method]:
     """Ours as dispatched and in exact mode, twice each: with the variants this GPU's configs give,
     passed explicitly (``..._dispatched``), and with ``knobs`` changed in them (``..._knobs``): an A/B of
     the knobs in one run, both sides paying the same host cost of explicit variants."""
+    @functools.lru_cache(maxsize=None)  # (made once per dispatched set: not a new set, re-encoded, each call)
+    def with_knobs(kv):
+        return kv.replace(**{k: getattr(kv, k).replace(**v) for k, v in knobs.items()})
+
     def variants(e, c, changed: bool):
         kv = dispatch.select_variants(e, c, has_softcap=softcap is not None)
-        if changed:
-            kv = kv.replace(**{k: getattr(kv, k).replace(**v) for k, v in knobs.items()})
-        return kv
+        return with_knobs(kv) if changed else kv
 
     def method(name, changed, **kw):
         return Method(name, lambda e, c, t: linear_cross_entropy(e, c, t, softcap=softcap,

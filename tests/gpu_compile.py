@@ -86,8 +86,9 @@ def record(path: str) -> None:
         run = real_getitem(self, grid)
 
         def launch(*args, **kw):
-            params = inspect.signature(self.jit.fn).parameters
-            bound = inspect.signature(self.jit.fn).bind(*args, **{k: v for k, v in kw.items() if k in params})
+            sig_of = inspect.signature(self.jit.fn)
+            params = sig_of.parameters
+            bound = sig_of.bind(*args, **{k: v for k, v in kw.items() if k in params})
             sig = []
             for name, p in params.items():
                 value = bound.arguments[name]

@@ -71,12 +71,11 @@ def test_flattened_kernels_of_one_tile_a_program_run_persistent(strategy, eps, d
     # flatten: the fused strategy's logits kernel and the chunked strategy's gradient kernel run as
     # persistent programs (3 in the interpreter, the device's count on a GPU) that each walk several
     # tiles (here 3 row blocks x 10 tiles); the exact backward, and the chunked one from the tile map.
-    from cce_autotune.strategies import chunked, fused
+    from cce_autotune.strategies import common
 
     launches = []
-    for module in (chunked, fused):
-        real = module.resident_programs
-        monkeypatch.setattr(module, "resident_programs", lambda *a, _r=real: launches.append(_r(*a)) or launches[-1])
+    real = common.resident_programs
+    monkeypatch.setattr(common, "resident_programs", lambda *a: launches.append(real(*a)) or launches[-1])
     v = BackwardVariant(block_b=16, block_v=32, block_d=16, strategy=strategy, flatten=True, filter_eps=eps,
                         sort_vocab=eps is not None, tile_map=eps is not None, group_b=2)
     kv = SMALL.replace(lse_forward=SMALL.lse_forward.replace(flatten=True), backward=v)  # (see the next test)
@@ -89,11 +88,11 @@ def test_flattened_kernels_of_one_tile_a_program_run_persistent(strategy, eps, d
 
 def test_the_forward_s_flatten_reaches_the_kernels_that_take_its_tiles(monkeypatch, device):
     # Without a map the fused and chunked strategies take the forward's tiling, its flatten with it.
-    from cce_autotune.strategies import fused
+    from cce_autotune.strategies import common
 
     seen = []
-    real = fused.resident_programs
-    monkeypatch.setattr(fused, "resident_programs", lambda *a: seen.append(a) or real(*a))
+    real = common.resident_programs
+    monkeypatch.setattr(common, "resident_programs", lambda *a: seen.append(a) or real(*a))
     kv = SMALL.replace(lse_forward=SMALL.lse_forward.replace(flatten=True),
                        backward=SMALL.backward.replace(strategy="fused", flatten=False))
     res, _ = run_case((37,), 301, 45, torch.bfloat16, variants=kv, device=device)

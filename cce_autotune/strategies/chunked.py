@@ -35,8 +35,8 @@ from .common import (
     convert_rows,
     flags,
     mm_out,
-    resident_programs,
     softcap_arg,
+    tile_programs,
     tma_descriptors,
 )
 
@@ -346,7 +346,6 @@ class Chunked(Strategy):
                                  c_local=c_buf is not None, live_mass=mass is not None,
                                  e_desc=e_descs[0] is not None, c_desc=c_desc is not None)
             kernel = load_kernel(variant, kernel_flags)
-            programs = resident_programs(dev, variant.smem_bytes(e.element_size())) if variant.flatten else 0
             # Rows of E that no problem row reads (shift, ignored rows) keep a zero gradient row in g.
             g_rows = max(grp.span for grp in groups)
             g_buf = (torch.zeros if n < N else torch.empty)((g_rows, W), dtype=e.dtype, device=dev)
@@ -382,8 +381,8 @@ class Chunked(Strategy):
                     dc_part[:w].zero_()
                 for j in todo:
                     grp = groups[j]
-                    tiles = triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v)
-                    grid = (min(tiles, programs) if variant.flatten else tiles,)  # (flattened: persistent)
+                    grid = (tile_programs(triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v), variant,
+                                          dev, e.element_size()),)
                     offsets, tpos, lse_g, cs, ct, live_g, mass_g = per_group[j]
                     kernel[grid](
                         grp.e if e_descs[j] is None else e_descs[j], c_arg if c_desc is None else c_desc,

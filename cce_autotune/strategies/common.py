@@ -175,6 +175,13 @@ def _tma_device(device) -> bool:
 INTERPRETER_PROGRAMS = 3  # a persistent launch's programs off a GPU (Triton's interpreter): each walks several tiles
 
 
+def tile_programs(tiles: int, variant, device, elem_bytes: int) -> int:
+    """Programs of a launch of ``tiles`` tiles by a kernel of one tile per program: one a tile, or,
+    with the variant's ``flatten``, persistent programs (at most :func:`resident_programs`), each
+    taking tiles round robin."""
+    return min(tiles, resident_programs(device, variant.smem_bytes(elem_bytes))) if variant.flatten else tiles
+
+
 def resident_programs(device, smem_bytes: int) -> int:
     """Programs of a persistent launch (a variant's ``flatten`` in a kernel of one tile per program):
     as many as ``device`` runs at once as far as shared memory says, its SMs times the programs of

@@ -19,7 +19,7 @@ from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import load_kernel
 from ..plans import CallProblem, Option
 from .base import FORWARD_TILE_V, Coefficient, PlanContext, Strategy, mm_ms
-from .common import RowLayout, add_matmul, flags, mm_out, resident_programs, softcap_arg, tma_descriptors
+from .common import RowLayout, add_matmul, flags, mm_out, softcap_arg, tile_programs, tma_descriptors
 
 __all__ = ["Fused", "STRATEGY", "extra_bytes", "cost", "block_rows", "PIECE"]
 
@@ -176,8 +176,6 @@ class Fused(Strategy):
         cut = V - V % 8 if V > 8 else V  # (see dE's product below)
         cap = softcap_arg(softcap)
         kernels = {}  # (by whether a block's E is read through a TMA descriptor: the one flag that can differ)
-        # (flattened: persistent programs, each taking tiles round robin)
-        programs = resident_programs(dev, variant.smem_bytes(e.element_size())) if variant.flatten else 0
         # The loop's views made once, not per block (the host's time per block is this plan's price at
         # small heads): each block's rows of the per-row arguments, of E and of dE (dense rows), the
         # tiles' two statistics, C's two parts of dE's product, and g's pieces for a whole block.
@@ -196,8 +194,7 @@ class Fused(Strategy):
                     "cce_fused_logits_kernel", "cce_fused_grad_kernel"))
             logits_kernel, grad_kernel = kernels[e_desc is None]
             tgt, lse_b, zt_b = tgts[b], lses[b], zts[b]
-            tiles = -(-m // variant.block_b) * n_tiles
-            logits_kernel[(min(tiles, programs) if variant.flatten else tiles,)](
+            logits_kernel[(tile_programs(-(-m // variant.block_b) * n_tiles, variant, dev, e.element_size()),)](
                 e_blk if e_desc is None else e_desc, c if c_desc is None else c_desc, bias_arg, tgt, u,
                 st_max, st_sum, zt_b,
                 m, V, D, e_blk.stride(0), e_blk.stride(1), c.stride(0), c.stride(1), u.stride(0), stats.stride(1), cap,
