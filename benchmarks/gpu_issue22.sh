@@ -10,8 +10,8 @@
 #          unpatched, patched and with Liger's patch (carry transformers: --deps transformers==5.24.0);
 #   grid:  `cce-bench --grid` on $GRID_DATA (default lm,sampled) at $GRID_SHAPES (default: every head), every
 #          mode and the peers (the whole grid takes about 15 minutes on an H200: split it over two runs).
-#   knobs: an A/B of kernel knobs in one run ($KNOBS, default the flattened tile loops:
-#          lse_forward.flatten=true,backward.flatten=true): ours as dispatched and in exact mode, with the
+#   knobs: an A/B of kernel knobs in one run ($KNOBS, default an example:
+#          lse_forward.num_splits=8,backward.chunk_v=2048): ours as dispatched and in exact mode, with the
 #          configs' variants and with the knobs changed, at $KNOB_SHAPES on LM-like data.
 # Results under $OUT.
 set -uo pipefail
@@ -56,7 +56,7 @@ for phase in ${PHASES:-tests lm mixed train}; do
   knobs)
     timeout ${KNOB_S:-400} python3 -m cce_autotune.bench --grid --out "$OUT" --tag knobs --data lm \
       --shapes ${KNOB_SHAPES:-50257x768,50000x2048,32000x4096,128256x2048,128256x4096} \
-      --knobs ${KNOBS:-lse_forward.flatten=true,backward.flatten=true} --reps ${REPS:-20} \
+      --knobs ${KNOBS:-lse_forward.num_splits=8,backward.chunk_v=2048} --reps ${REPS:-20} \
       --methods torch,cce_autotune_dispatched,cce_autotune_knobs,cce_autotune_exact_dispatched,cce_autotune_exact_knobs \
       > "$OUT/bench_knobs.txt" 2>&1
     echo "== bench knobs rc $?"; grep -E "fw|matmul" "$OUT/bench_knobs.txt" | cut -c1-175 ;;

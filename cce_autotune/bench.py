@@ -596,7 +596,7 @@ def main(argv=None) -> int:
     ap.add_argument("--knobs", default=None, metavar="KERNEL.KNOB=VALUE,...",
                     help="an A/B of kernel knobs in one run: adds cce_autotune_dispatched and cce_autotune_knobs "
                          "(and their _exact counterparts): ours with the variants this GPU's configs give, and "
-                         "with these knobs changed in them (e.g. lse_forward.flatten=true,backward.flatten=true)")
+                         "with these knobs changed in them (e.g. lse_forward.num_splits=8,backward.chunk_v=2048)")
     ap.add_argument("--out", default="benchmarks/results", help="folder for the CSV and PNG")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     args = ap.parse_args(argv)

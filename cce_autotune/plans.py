@@ -86,8 +86,7 @@ class BackwardPlan:
         if self.row_block:
             parts.append(f"blocks of {self.row_block} rows" + (", dC accumulated in fp32" if self.dc_fp32 else ""))
         if self.tiles:
-            parts.append("the forward's tiles {block_b}x{block_v}x{block_d}".format(**self.tiles)
-                         + (", flattened" if self.tiles.get("flatten") else ""))
+            parts.append("the forward's tiles {block_b}x{block_v}x{block_d}".format(**self.tiles))
         if self.live is not None:
             parts.append(f"live tiles {self.live:.1%}")
         if self.live_chunks is not None:

@@ -155,13 +155,11 @@ class IndexedDotVariant(_Variant):
 class _TiledVariant(_Variant):
     """Knobs of the two kernels that tile the (tokens x vocabulary) logit matrix.
 
-    ``flatten``: a program's loop over its vocabulary tiles and each tile's loop over D are one loop to
-    the compiler (``tl.range(flatten=True)``), so that its software pipeline loads the next tile's
-    operands while this tile's epilogue (max, exponentials, sums, stores) runs, instead of filling
-    again at each tile. The LSE forward's programs each walk many tiles already; a kernel of one
-    tile per program (the fused strategy's logits kernel) becomes persistent with it: as many
-    programs as the device runs at once, each taking tiles round robin. The same results; which is
-    faster is the device's and the compiler's to say (the tuner's)."""
+    ``flatten`` (the tile loop and the D loop as one ``tl.range(flatten=True)`` loop; kernels of one
+    tile a program made persistent) was retired on 2026-12-05: slower than the plain loops at every
+    head measured on the H200. Files of earlier versions that carry it still load (``RETIRED``)."""
+
+    RETIRED: ClassVar[tuple] = ("flatten",)  # retired 2026-12-05: measured slower on the H200
 
     block_b: int = 128
     block_v: int = 128
@@ -169,11 +167,8 @@ class _TiledVariant(_Variant):
     group_b: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    flatten: bool = False
 
     def _validate_own(self) -> None:
-        if not isinstance(self.flatten, bool):
-            raise VariantError(f"flatten={self.flatten!r}: must be true or false")
         _check_pow2("block_b", self.block_b, 16, 256)
         _check_pow2("block_v", self.block_v, 16, 512)
         _check_pow2("block_d", self.block_d, 16, 256)
@@ -205,9 +200,6 @@ class LSEForwardVariant(_TiledVariant):
       reduction merges afterwards (no locks, deterministic);
     - ``"lock"``: programs merge into the (B,) result under a spin lock; row block ``b`` uses lock
       ``b % num_locks``.
-
-    ``flatten`` (of every tiled variant): the program's loop over its vocabulary tiles and the tile's
-    loop over D are one loop to the compiler.
     """
 
     kernel: ClassVar[str] = "lse_forward"
@@ -246,12 +238,12 @@ class BackwardVariant(_TiledVariant):
       strategy's products by live tile); each strategy's module lists its own (``Strategy.knobs``).
 
     ``accum`` and ``num_locks`` were the knobs of the tiles strategy, removed (it lost on the device
-    wherever the planner chose it); files of earlier versions that carry them still load
-    (``RETIRED``), the knobs dropped.
+    wherever the planner chose it); files of earlier versions that carry them (or the tiled
+    variants' retired ``flatten``) still load (``RETIRED``), the knobs dropped.
     """
 
     kernel: ClassVar[str] = "backward"
-    RETIRED: ClassVar[tuple] = ("accum", "num_locks")
+    RETIRED: ClassVar[tuple] = _TiledVariant.RETIRED + ("accum", "num_locks")
     filter_eps: float | None = 2.0**-16
     sort_vocab: bool = True
     strategy: str = "auto"

@@ -27,9 +27,9 @@ import time
 
 def _configurations():
     """The loss calls recorded: the sweep's seeded configurations (small tiles; every strategy, dtype,
-    flag and term; some flattened), and the shipped H200 variants' tiles (what a GPU compiles: 128 x 256
-    x 64 tiles in 8 warps and 3 stages, TMA descriptors; Llama 3.2 1B's head) in each strategy, flattened and not, bf16 and
-    an fp32 classifier, with a softcap and a bias."""
+    flag and term), and the shipped H200 variants' tiles (what a GPU compiles: 128 x 256 x 64 tiles in
+    8 warps and 3 stages, TMA descriptors; Llama 3.2 1B's head) in each strategy, a bf16 classifier and
+    an fp32 one, the latter with a softcap and a bias."""
     import torch
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -45,16 +45,16 @@ def _configurations():
             if k.B == 8192 and k.V == 128256 and k.D == 2048 and k.dtype == "bf16"}
     g = torch.Generator().manual_seed(0)
     for strategy in ("chunked", "sparse", "fused"):
-        for flatten in (False, True):
-            for classifier in (torch.bfloat16, torch.float32):
-                kv = KernelVariants(indexed_dot=pick["indexed_dot"], lse_forward=pick["lse_forward"].replace(flatten=flatten),
-                                    backward=pick["backward"].replace(strategy=strategy, flatten=flatten))
-                e = (torch.randn(40, 64, generator=g) / 3).bfloat16()
-                c = (torch.randn(301, 64, generator=g) / 3).to(classifier)
-                t = torch.randint(0, 301, (40,), generator=g)
-                cfgs.append(dict(e=e, c=c, t=t, b=(torch.randn(301, generator=g) / 4).bfloat16() if flatten else None,
-                                 w=None, o=dict(softcap=30.0 if classifier == torch.float32 else None),
-                                 run=dict(variants=kv, filter_eps="auto", max_extra_memory=None)))
+        for classifier in (torch.bfloat16, torch.float32):
+            full = classifier == torch.float32  # (the fp32 classifier's call with a softcap and a bias)
+            kv = KernelVariants(indexed_dot=pick["indexed_dot"], lse_forward=pick["lse_forward"],
+                                backward=pick["backward"].replace(strategy=strategy))
+            e = (torch.randn(40, 64, generator=g) / 3).bfloat16()
+            c = (torch.randn(301, 64, generator=g) / 3).to(classifier)
+            t = torch.randint(0, 301, (40,), generator=g)
+            cfgs.append(dict(e=e, c=c, t=t, b=(torch.randn(301, generator=g) / 4).bfloat16() if full else None,
+                             w=None, o=dict(softcap=30.0 if full else None),
+                             run=dict(variants=kv, filter_eps="auto", max_extra_memory=None)))
     return cfgs
 
 

@@ -1,10 +1,10 @@
 """Every kernel the loss launches compiles for the GPUs, on a machine without one.
 
 The interpreter runs the kernels' Python, never Triton's compiler: a template can run there and still
-fail to build for a GPU (a type, a layout, a flattened loop the pipeliner refuses). ``gpu_compile.py``
-records, under the interpreter, each launch of representative calls (the sweep's configurations and the
-shipped H200 tiles in each strategy, flattened and not) as the GPU's JIT would specialize it, then, in a
-process without the interpreter, compiles each one with ``triton.compile`` for sm_90 (Hopper, TMA
+fail to build for a GPU (a type, a layout, a loop the pipeliner refuses). ``gpu_compile.py`` records,
+under the interpreter, each launch of representative calls (the sweep's configurations and the shipped
+H200 tiles in each strategy, bf16 and an fp32 classifier) as the GPU's JIT would specialize it, then, in
+a process without the interpreter, compiles each one with ``triton.compile`` for sm_90 (Hopper, TMA
 descriptors) and sm_80 (Ampere, those without descriptors), ptxas included.
 """
 
@@ -47,7 +47,8 @@ def test_every_launched_kernel_compiles_for_hopper_and_ampere(tmp_path):
     assert {"cce_lse_forward_kernel", "cce_indexed_dot_kernel", "cce_grad_chunk_kernel", "cce_fused_logits_kernel",
             "cce_sparse_grad_kernel", "cce_targets_kernel", "cce_coefficients_kernel"} <= kernels, kernels
     assert any(kind.startswith("tensordesc") for r in launches for _, kind, _, _ in r["signature"])
-    assert any(r.get("variant", {}).get("flatten") for r in launches)
+    # (the shipped tiles, block_d 64 where the sweep's take 16, with a bias: the fp32 classifier's call)
+    assert any(r.get("flags", {}).get("has_bias") and r["variant"].get("block_d") == 64 for r in launches)
     for arch in (90, 80):
         out = subprocess.run([sys.executable, str(HERE / "gpu_compile.py"), "compile", str(records), str(arch)],
                              env={**env, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900)

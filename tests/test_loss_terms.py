@@ -185,8 +185,7 @@ def test_exact_chunked_strategy_runs_with_the_forwards_tiles(device):
     assert_within(res)
     ran = [r.call.backward for r in plans if r.call is not None and r.call.backward is not None]
     assert ran and ran[0].chunk_v >= 301 and ran[0].tiles == {
-        k: getattr(kv.lse_forward, k) for k in ("block_b", "block_v", "block_d", "group_b", "num_warps", "num_stages",
-                                                "flatten")}
+        k: getattr(kv.lse_forward, k) for k in ("block_b", "block_v", "block_d", "group_b", "num_warps", "num_stages")}
 
 
 @pytest.mark.parametrize("strategy", ["chunked", "sparse"])

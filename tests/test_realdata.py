@@ -145,10 +145,10 @@ def test_bench_shapes_and_arguments(capsys):
                           (["--grid", "--classifier", "fp32"], "--grid: times the heads alone"),
                           (["--graph"], "--graph: times the GPTs' training steps"),
                           (["--train", "--graph", "--hf", "llama"], "--graph: times the GPTs' training steps"),
-                          (["--knobs", "lse_forward.flaten=true"], "--knobs: 'lse_forward.flaten=true': lse_forward has no knob"),
-                          (["--knobs", "lse.flatten=true"], "--knobs: 'lse.flatten=true': no kernel 'lse'"),
-                          (["--knobs", "backward.flatten=2"], "--knobs: flatten=2: must be true or false"),
-                          (["--knobs", "flatten"], "--knobs: 'flatten' is not kernel.knob=value"),
+                          (["--knobs", "lse_forward.num_split=8"], "--knobs: 'lse_forward.num_split=8': lse_forward has no knob"),
+                          (["--knobs", "lse.num_splits=8"], "--knobs: 'lse.num_splits=8': no kernel 'lse'"),
+                          (["--knobs", "backward.sort_vocab=2"], "--knobs: sort_vocab=2: must be true or false"),
+                          (["--knobs", "num_splits"], "--knobs: 'num_splits' is not kernel.knob=value"),
                           (["--knobs", ","], "--knobs: no kernel.knob=value given")):
         with pytest.raises(SystemExit) as exit_info:
             bench.main(argv)
@@ -158,8 +158,8 @@ def test_bench_shapes_and_arguments(capsys):
 def test_bench_knobs_add_an_a_b_of_the_dispatched_variants(monkeypatch):
     # --knobs: ours with the variants the configs give, passed explicitly, and the same with the knobs
     # changed; values read as YAML scalars.
-    knobs = bench.parse_knobs("lse_forward.flatten=true,backward.chunk_v=512,lse_forward.merge=lock")
-    assert knobs == {"lse_forward": {"flatten": True, "merge": "lock"}, "backward": {"chunk_v": 512}}
+    knobs = bench.parse_knobs("lse_forward.num_splits=8,backward.chunk_v=512,lse_forward.merge=lock")
+    assert knobs == {"lse_forward": {"num_splits": 8, "merge": "lock"}, "backward": {"chunk_v": 512}}
     seen = {}
     monkeypatch.setattr(bench, "linear_cross_entropy", lambda e, c, t, **kw: seen.setdefault(kw.pop("variants"), kw))
     e, c, t = torch.randn(8, 16), torch.randn(40, 16), torch.randint(0, 40, (8,))
@@ -167,6 +167,7 @@ def test_bench_knobs_add_an_a_b_of_the_dispatched_variants(monkeypatch):
     from cce_autotune.configdb import dispatch
 
     dispatched = dispatch.select_variants(e, c, has_softcap=True)
+    assert dispatched.lse_forward.num_splits != 8 and dispatched.backward.chunk_v != 512  # (the knobs change them)
     assert [m.name for m in methods] == ["cce_autotune_dispatched", "cce_autotune_knobs", "cce_autotune_exact_dispatched",
                                          "cce_autotune_exact_knobs"]
     for m in methods:
@@ -175,9 +176,10 @@ def test_bench_knobs_add_an_a_b_of_the_dispatched_variants(monkeypatch):
         (kv, kw), = seen.items()
         assert kw == {"softcap": 3.0, **({"filter_eps": None} if "exact" in m.name else {})}
         changed = m.name.endswith("_knobs")
-        assert (kv.lse_forward.flatten, kv.lse_forward.merge, kv.backward.chunk_v) == \
-            ((True, "lock", 512) if changed else (False, "buffer", dispatched.backward.chunk_v))
-        assert kv.backward.flatten is False and kv.indexed_dot == dispatched.indexed_dot
+        assert (kv.lse_forward.num_splits, kv.lse_forward.merge, kv.backward.chunk_v) == \
+            ((8, "lock", 512) if changed else (dispatched.lse_forward.num_splits, "buffer", dispatched.backward.chunk_v))
+        assert kv.backward.replace(chunk_v=dispatched.backward.chunk_v) == dispatched.backward
+        assert kv.indexed_dot == dispatched.indexed_dot
 
 
 @pytest.mark.parametrize("softcap", [None, 3.0])

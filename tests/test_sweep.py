@@ -60,13 +60,8 @@ def _configuration(seed: int):
     if r.random() < 0.3:  # e a strided view: every other element of a wider tensor
         e = torch.stack([e, torch.zeros_like(e)], -1).flatten(-2)[..., ::2]
     grads = r.choice(["both", "both", "e", "c"])
-    cfg = dict(e=e, c=c, t=t, b=b, w=w, o=o, run=run, grads=grads, deterministic=r.random() < 0.2,
-               drift=r.choice([0.0, 0.01, 1.0]), new_targets=r.random() < 0.3)
-    if r.random() < 0.4:  # the kernels' tile loops flattened (persistent programs where a kernel takes one tile)
-        kv = run["variants"]
-        run["variants"] = kv.replace(lse_forward=kv.lse_forward.replace(flatten=True),
-                                     backward=kv.backward.replace(flatten=True))
-    return cfg
+    return dict(e=e, c=c, t=t, b=b, w=w, o=o, run=run, grads=grads, deterministic=r.random() < 0.2,
+                drift=r.choice([0.0, 0.01, 1.0]), new_targets=r.random() < 0.3)
 
 
 @pytest.mark.parametrize("seed", range(24))

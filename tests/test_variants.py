@@ -1,8 +1,8 @@
 """Every kernel variant the tuner may pick must pass the same checks as the defaults.
 
 The sweeps cover each knob value of the search spaces at least once (block shapes, warps, stages,
-group size, splits, both LSE merges, lock counts, the flattened loop, sorting on/off, filtering
-on/off), on shapes that divide no block.
+group size, splits, both LSE merges, lock counts, sorting on/off, filtering on/off), on shapes that
+divide no block.
 """
 
 import itertools
@@ -25,12 +25,10 @@ def test_indexed_dot_variants(block_b, block_d, device):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("merge, num_locks, num_splits, flatten", [("buffer", 64, 1, False), ("buffer", 64, 7, True),
-                                                                   ("lock", 1, 64, False), ("lock", 4, 3, True)])
-def test_lse_forward_variants(shape, merge, num_locks, num_splits, flatten, device):
-    # (flatten: the tile loop and the D loop one loop to the compiler; the same result)
+@pytest.mark.parametrize("merge, num_locks, num_splits", [("buffer", 64, 1), ("buffer", 64, 7), ("lock", 1, 64), ("lock", 4, 3)])
+def test_lse_forward_variants(shape, merge, num_locks, num_splits, device):
     bb, bv, bd = shape
-    v = LSEForwardVariant(block_b=bb, block_v=bv, block_d=bd, merge=merge, num_locks=num_locks, flatten=flatten,
+    v = LSEForwardVariant(block_b=bb, block_v=bv, block_d=bd, merge=merge, num_locks=num_locks,
                           num_splits=num_splits, group_b=1 if num_splits == 7 else 4, num_warps=4, num_stages=2)
     res, _ = run_case((37,), 301, 45, torch.float32, variants=SMALL.replace(lse_forward=v), bias=True, device=device)
     assert_within(res)
@@ -63,41 +61,6 @@ def test_backward_exact_variants(shape, dtype, device):
     res, _ = run_case((37,), 301, 45, dtype, variants=SMALL.replace(backward=v), bias=True, softcap=9.0,
                       shift=1, device=device)
     assert_within(res)
-
-
-@pytest.mark.parametrize("strategy, eps", [("fused", None), ("chunked", None), ("chunked", 2.0**-12)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_flattened_kernels_of_one_tile_a_program_run_persistent(strategy, eps, dtype, device, monkeypatch):
-    # flatten: the fused strategy's logits kernel and the chunked strategy's gradient kernel run as
-    # persistent programs (3 in the interpreter, the device's count on a GPU) that each walk several
-    # tiles (here 3 row blocks x 10 tiles); the exact backward, and the chunked one from the tile map.
-    from cce_autotune.strategies import common
-
-    launches = []
-    real = common.resident_programs
-    monkeypatch.setattr(common, "resident_programs", lambda *a: launches.append(real(*a)) or launches[-1])
-    v = BackwardVariant(block_b=16, block_v=32, block_d=16, strategy=strategy, flatten=True, filter_eps=eps,
-                        sort_vocab=eps is not None, tile_map=eps is not None, group_b=2)
-    kv = SMALL.replace(lse_forward=SMALL.lse_forward.replace(flatten=True), backward=v)  # (see the next test)
-    res, (e, c, t, b) = run_case((37,), 301, 45, dtype, variants=kv, bias=True, softcap=9.0,
-                                 shift=1, peaked=1.5, filter_eps="auto" if eps else None,
-                                 walk="sorted" if eps else None, device=device)
-    assert_within_bound(res, e, c, t, b, eps)
-    assert launches and all(p < 30 for p in launches) if device == "cpu" else launches
-
-
-def test_the_forward_s_flatten_reaches_the_kernels_that_take_its_tiles(monkeypatch, device):
-    # Without a map the fused and chunked strategies take the forward's tiling, its flatten with it.
-    from cce_autotune.strategies import common
-
-    seen = []
-    real = common.resident_programs
-    monkeypatch.setattr(common, "resident_programs", lambda *a: seen.append(a) or real(*a))
-    kv = SMALL.replace(lse_forward=SMALL.lse_forward.replace(flatten=True),
-                       backward=SMALL.backward.replace(strategy="fused", flatten=False))
-    res, _ = run_case((37,), 301, 45, torch.bfloat16, variants=kv, device=device)
-    assert_within(res)
-    assert seen
 
 
 def assert_within_bound(res, e, c, t, b, eps):

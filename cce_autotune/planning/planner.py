@@ -413,7 +413,7 @@ def plan_gradients(plan: CallPlan, p: CallProblem, costs, ev: Evidence, *, fused
     return out
 
 
-TILING = ("block_b", "block_v", "block_d", "group_b", "num_warps", "num_stages", "flatten")
+TILING = ("block_b", "block_v", "block_d", "group_b", "num_warps", "num_stages")
 
 
 def with_forward_tiles(plan: BackwardPlan, variants) -> BackwardPlan:

@@ -36,7 +36,6 @@ from .common import (
     flags,
     mm_out,
     softcap_arg,
-    tile_programs,
     tma_descriptors,
 )
 
@@ -381,8 +380,7 @@ class Chunked(Strategy):
                     dc_part[:w].zero_()
                 for j in todo:
                     grp = groups[j]
-                    grid = (tile_programs(triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v), variant,
-                                          dev, e.element_size()),)
+                    grid = (triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v),)
                     offsets, tpos, lse_g, cs, ct, live_g, mass_g = per_group[j]
                     kernel[grid](
                         grp.e if e_descs[j] is None else e_descs[j], c_arg if c_desc is None else c_desc,

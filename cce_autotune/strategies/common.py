@@ -172,31 +172,6 @@ def _tma_device(device) -> bool:
     return _FOUND[key]
 
 
-INTERPRETER_PROGRAMS = 3  # a persistent launch's programs off a GPU (Triton's interpreter): each walks several tiles
-
-
-def tile_programs(tiles: int, variant, device, elem_bytes: int) -> int:
-    """Programs of a launch of ``tiles`` tiles by a kernel of one tile per program: one a tile, or,
-    with the variant's ``flatten``, persistent programs (at most :func:`resident_programs`), each
-    taking tiles round robin."""
-    return min(tiles, resident_programs(device, variant.smem_bytes(elem_bytes))) if variant.flatten else tiles
-
-
-def resident_programs(device, smem_bytes: int) -> int:
-    """Programs of a persistent launch (a variant's ``flatten`` in a kernel of one tile per program):
-    as many as ``device`` runs at once as far as shared memory says, its SMs times the programs of
-    ``smem_bytes`` one SM holds (at least one; registers may hold fewer, and the launch then takes
-    more than one wave: slower, never wrong). :data:`INTERPRETER_PROGRAMS` off a GPU."""
-    if device.type != "cuda":
-        return INTERPRETER_PROGRAMS
-    key = ("sms", device.index)
-    if key not in _FOUND:
-        props = torch.cuda.get_device_properties(device)
-        _FOUND[key] = (props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", 0))
-    sms, smem = _FOUND[key]
-    return sms * max(1, smem // max(1, smem_bytes)) if smem else sms
-
-
 def softcap_arg(softcap) -> float:
     """The softcap as the kernels take it (1.0 when there is none: the flag switches it off)."""
     return float(softcap) if softcap is not None else 1.0

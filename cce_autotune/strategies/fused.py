@@ -19,7 +19,7 @@ from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import load_kernel
 from ..plans import CallProblem, Option
 from .base import FORWARD_TILE_V, Coefficient, PlanContext, Strategy, mm_ms
-from .common import RowLayout, add_matmul, flags, mm_out, softcap_arg, tile_programs, tma_descriptors
+from .common import RowLayout, add_matmul, flags, mm_out, softcap_arg, tma_descriptors
 
 __all__ = ["Fused", "STRATEGY", "extra_bytes", "cost", "block_rows", "PIECE"]
 
@@ -194,7 +194,7 @@ class Fused(Strategy):
                     "cce_fused_logits_kernel", "cce_fused_grad_kernel"))
             logits_kernel, grad_kernel = kernels[e_desc is None]
             tgt, lse_b, zt_b = tgts[b], lses[b], zts[b]
-            logits_kernel[(tile_programs(-(-m // variant.block_b) * n_tiles, variant, dev, e.element_size()),)](
+            logits_kernel[(-(-m // variant.block_b) * n_tiles,)](
                 e_blk if e_desc is None else e_desc, c if c_desc is None else c_desc, bias_arg, tgt, u,
                 st_max, st_sum, zt_b,
                 m, V, D, e_blk.stride(0), e_blk.stride(1), c.stride(0), c.stride(1), u.stride(0), stats.stride(1), cap,
