@@ -402,7 +402,7 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_o
             for _ in range(ERROR_CALLS):
                 loss = m.loss(ee, cc, t)
                 loss.backward()
-                now = dict(err_loss=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+                now = dict(err_loss=abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
                            err_de=_rel(ee.grad, ref_de), err_dc=_rel(cc.grad, ref_dc))
                 err = {k: max(err[k], now[k]) for k in err}
                 ee.grad = cc.grad = None
