@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 
-__all__ = ["sort_order", "TileMap", "live_grid", "dropped_share", "tile_ids", "live_tiles"]
+__all__ = ["sort_order", "TileMap", "threshold", "live_grid", "dropped_share", "tile_ids", "live_tiles"]
 
 
 def sort_order(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None,
@@ -58,13 +58,15 @@ class TileMap:
         return self.q.numel() * self.q.element_size()
 
 
-def live_grid(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int) -> torch.Tensor:
+def live_grid(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int,
+              thr: torch.Tensor | None = None) -> torch.Tensor:
     """(row blocks, tiles) bool: which of the backward's (block_b x block_v) tiles, in the walked
-    order, may hold a softmax value >= ``filter_eps``."""
+    order, may hold a softmax value >= ``filter_eps``. ``thr``: :func:`threshold` at ``filter_eps``,
+    where the caller has it already (else made here)."""
     q = tmap.q
     n = q.shape[1]
     dev = q.device
-    thr = _threshold(tmap, lse, filter_eps)
+    thr = threshold(tmap, lse, filter_eps) if thr is None else thr
     live_rows = q >= thr[None, :]  # (T_f, n); q == 127 (saturated) passes every threshold
     live_rows &= (lse != float("inf"))[None, :]  # an ignored row (infinite LSE) has no gradient
     # Rows -> row blocks of the backward.
@@ -85,13 +87,13 @@ def live_grid(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block
     return live.T.contiguous()
 
 
-def _threshold(tmap: TileMap, lse: torch.Tensor, filter_eps: float) -> torch.Tensor:
+def threshold(tmap: TileMap, lse: torch.Tensor, filter_eps: float) -> torch.Tensor:
     """Per row: the smallest q that can be live, as an int8 threshold (NaN -> everything live)."""
     thr = torch.ceil(8.0 * (math.log(filter_eps) + lse.float() - tmap.zt.float()))
     return torch.nan_to_num(thr, nan=-128.0, posinf=127.0, neginf=-128.0).clamp_(-128, 127).to(torch.int8)
 
 
-def dropped_share(tmap: TileMap, lse: torch.Tensor, filter_eps: float) -> torch.Tensor:
+def dropped_share(tmap: TileMap, lse: torch.Tensor, filter_eps: float, thr: torch.Tensor | None = None) -> torch.Tensor:
     """0-dim fp32: a bound on the softmax mass that filtering at ``filter_eps`` drops, as a share of
     the gradient's L1 mass.
 
@@ -99,14 +101,15 @@ def dropped_share(tmap: TileMap, lse: torch.Tensor, filter_eps: float) -> torch.
     largest softmax value its bound allows, ``block_v * exp(q / 8 + z_target - lse)`` (an upper
     bound: the backward drops only tiles dead for a whole block of rows, and a tile's values sit
     below its maximum). The gradient of row i, softmax minus onehot, has L1 mass
-    ``2 (1 - p_i,target)``; rows with an infinite LSE (ignored) count in neither sum."""
+    ``2 (1 - p_i,target)``; rows with an infinite LSE (ignored) count in neither sum. ``thr``: as
+    :func:`live_grid` takes it."""
     q = tmap.q
     T, n = q.shape
     lse = lse.float()
     zt = tmap.zt.float()
     ok = torch.isfinite(lse) & torch.isfinite(zt)
     log_pt = torch.where(ok, zt - lse, -math.inf)  # log of the target's softmax value, per row
-    thr = _threshold(tmap, lse, filter_eps)
+    thr = threshold(tmap, lse, filter_eps) if thr is None else thr
     below = torch.zeros(n, dtype=torch.float32, device=q.device)
     step = max(1, (1 << 22) // max(1, n))  # tiles per slice: a few MiB of temporaries
     for t0 in range(0, T, step):

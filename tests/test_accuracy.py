@@ -182,7 +182,7 @@ def test_guard_lowering_the_checked_filter_drops_the_correction(device, monkeypa
     monkeypatch.setattr(planner, "check_filter", lambda *a, **k: (eps, (), u))  # a remembered corrected choice
     # the guard's bound: too much at the checked filter, nothing 16x below it
     monkeypatch.setattr(planner, "dropped_share",
-                        lambda tm, lse, x: torch.tensor(1.0 if x > 2.0**-8 else 0.0, device=device))
+                        lambda tm, lse, x, thr=None: torch.tensor(1.0 if x > 2.0**-8 else 0.0, device=device))
     set_costs(pause_share=math.inf)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
     ee, cc = e.clone().requires_grad_(), c.clone()

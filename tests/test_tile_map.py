@@ -363,14 +363,14 @@ def test_map_path_is_as_accurate_as_the_first_call(strategy, dtype, device):
 
 # -- the planner's accuracy guard ---------------------------------------------------------------
 def test_dropped_share_bounds_the_mass_the_filter_drops(device):
-    from cce_autotune.tile_map import _threshold, dropped_share
+    from cce_autotune.tile_map import dropped_share, threshold
 
     e, c, t, _ = make_inputs((50,), 300, 32, torch.float32, peaked=1.0, seed=4, device=device)
     lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
     p = torch.softmax(e.double() @ c.double().T, dim=1)[:, tmap.perm.long()]  # walked order
     bv = tmap.block_v
     for eps in (2.0**-4, 2.0**-8, 2.0**-12):
-        dead = (tmap.q < _threshold(tmap, lse, eps)[None, :]).T  # (rows, forward tiles)
+        dead = (tmap.q < threshold(tmap, lse, eps)[None, :]).T  # (rows, forward tiles)
         cols = dead.repeat_interleave(bv, dim=1)[:, : p.shape[1]]
         true = (p * cols).sum() / (2 * (1 - p.gather(1, tmap.perm.long().argsort()[t][:, None]))).sum()
         bound = float(dropped_share(tmap, lse, eps))
