@@ -17,9 +17,20 @@ environment at launch (``TRITON_DEBUG`` and the like) are read at a specializati
 
 from __future__ import annotations
 
-__all__ = ["Launcher", "direct_launches"]
+__all__ = ["Launcher", "direct_launches", "cdiv", "next_power_of_2"]
 
 _state = {"direct": True}  # False once Triton's internals were not as expected (or a test turns it off)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host's grids: ``triton.cdiv`` is a ``constexpr_function`` since Triton 3.5,
+    about 1.5 us a call on the host (a call of the chunked strategy made 357 of them)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1), as ``triton.next_power_of_2`` without its cost."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def direct_launches(on: bool | None = None) -> bool:

@@ -216,3 +216,13 @@ def test_on_a_gpu_later_launches_skip_triton_s_path_and_compute_the_same(monkeyp
     assert through  # (Triton's path, turned on again)
     for a, b, s in zip(direct, again, slow):
         assert torch.equal(a, b) and torch.equal(a, s)
+
+
+def test_the_host_s_cdiv_and_next_power_of_2_are_triton_s():
+    import triton
+
+    for a in range(0, 300):
+        for b in (1, 2, 3, 16, 64, 128):
+            assert launch.cdiv(a, b) == triton.cdiv(a, b)
+    for n in range(0, 5000):
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n)

@@ -22,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
+from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import load_kernel, load_utility
+from ..launch import cdiv, next_power_of_2
 from ..plans import CallProblem, Option
 from .base import Coefficient, PlanContext, Strategy, mm_ms
 from .common import (
@@ -176,12 +177,12 @@ def live_lists(live_grid, chunk_tiles: int, group_blocks: int = 0) -> tuple:
     col_idx = torch.empty((G, K * cb, rg), dtype=torch.int32, device=dev)
     col_cnt = torch.empty((G, K * cb), dtype=torch.int32, device=dev)
     rows = load_utility("live_lists.py.j2", "cce_live_rows_kernel")
-    rows[(G * rg, K)](live, row_idx, row_cnt, Rb, T, K, cb, live.stride(0), BLOCK_T=triton.next_power_of_2(cb),
+    rows[(G * rg, K)](live, row_idx, row_cnt, Rb, T, K, cb, live.stride(0), BLOCK_T=next_power_of_2(cb),
                       num_warps=4)
-    block_t = max(1, min(64, 4096 // triton.next_power_of_2(rg)))  # (a block of at most 4096 flags)
+    block_t = max(1, min(64, 4096 // next_power_of_2(rg)))  # (a block of at most 4096 flags)
     cols = load_utility("live_lists.py.j2", "cce_live_cols_kernel")
-    cols[(G, triton.cdiv(K * cb, block_t))](live, col_idx, col_cnt, Rb, T, K * cb, rg, live.stride(0),
-                                            BLOCK_R=triton.next_power_of_2(rg), BLOCK_T=block_t, num_warps=4)
+    cols[(G, cdiv(K * cb, block_t))](live, col_idx, col_cnt, Rb, T, K * cb, rg, live.stride(0),
+                                     BLOCK_R=next_power_of_2(rg), BLOCK_T=block_t, num_warps=4)
     return row_idx, row_cnt, col_idx, col_cnt
 
 
@@ -320,7 +321,7 @@ class Chunked(Strategy):
         # summed from each chunk's g instead.
         dbias_k = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None and deterministic else dbias
         W = min(plan.chunk_v or variant.chunk_v, V)
-        n_chunks = triton.cdiv(V, W)
+        n_chunks = cdiv(V, W)
         if n > 0:
             use_live = live is not None
             # A classifier wider than e: each chunk's rows converted to e's dtype once (see lse_forward),
@@ -380,7 +381,7 @@ class Chunked(Strategy):
                     dc_part[:w].zero_()
                 for j in todo:
                     grp = groups[j]
-                    grid = (triton.cdiv(grp.n, variant.block_b) * triton.cdiv(w, variant.block_v),)
+                    grid = (cdiv(grp.n, variant.block_b) * cdiv(w, variant.block_v),)
                     offsets, tpos, lse_g, cs, ct, live_g, mass_g = per_group[j]
                     kernel[grid](
                         grp.e if e_descs[j] is None else e_descs[j], c_arg if c_desc is None else c_desc,
@@ -469,11 +470,11 @@ class _TileProducts:
             self.kernel = load_kernel(self.variant, self.kernel_flags, name="cce_chunk_products_kernel")
             self.row_idx, self.row_cnt, self.col_idx, self.col_cnt = live_lists(self.live, self.cb, self.rg)
         w, D = g.shape[1], e_rows.shape[1]
-        n_d = triton.cdiv(D, self.bdo)
-        n_de = triton.cdiv(n_rows, self.bb) * n_d if de else 0
+        n_d = cdiv(D, self.bdo)
+        n_de = cdiv(n_rows, self.bb) * n_d if de else 0
         first = j * self.rg  # the group's first row block
         tiles = self.K * self.cb
-        self.kernel[(n_de + triton.cdiv(w, self.bv) * n_d,)](
+        self.kernel[(n_de + cdiv(w, self.bv) * n_d,)](
             g, c, e_rows, perm if perm is not None else self.row_cnt, self.row_idx, self.row_cnt, self.col_idx,
             self.col_cnt, acc, out, n_rows, lo, w, D,
             g.stride(0), c.stride(0), c.stride(1), acc.stride(0), e_rows.stride(0), e_rows.stride(1), out.stride(0),

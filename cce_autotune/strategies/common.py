@@ -14,6 +14,7 @@ from typing import Any
 
 from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import Flags, interpreting, load_utility
+from ..launch import cdiv, next_power_of_2
 
 __all__ = ["RowLayout", "BackwardArgs", "flags", "softcap_arg", "convert_rows", "scale_in_place", "target_weight",
            "add_target_terms", "add_matmul", "add_matmul_fp32", "mm_out", "tma_descriptors"]
@@ -184,8 +185,8 @@ def convert_rows(c: torch.Tensor, lo: int, w: int, perm: torch.Tensor | None, bu
     out = buf[:w]
     D = c.shape[1]
     kernel = load_utility("convert.py.j2", "cce_convert_rows_kernel", GATHER=perm is not None)
-    block_d = min(128, triton.next_power_of_2(D))
-    grid = (triton.cdiv(w, 32), triton.cdiv(D, block_d))
+    block_d = min(128, next_power_of_2(D))
+    grid = (cdiv(w, 32), cdiv(D, block_d))
     kernel[grid](c, perm if perm is not None else c, out, lo, w, D, c.stride(0), c.stride(1), out.stride(0),
                  BLOCK_R=32, BLOCK_D=block_d, num_warps=4)
     return out
@@ -204,7 +205,7 @@ def scale_in_place(t: torch.Tensor, factor: torch.Tensor) -> None:
         return
     kernel = load_utility("scale.py.j2", "cce_scale_kernel")
     block = 4096
-    kernel[(triton.cdiv(n, block),)](t, factor, n, BLOCK=block, num_warps=4)
+    kernel[(cdiv(n, block),)](t, factor, n, BLOCK=block, num_warps=4)
 
 
 def target_weight(coef_t, zt, softcap) -> torch.Tensor:
@@ -230,8 +231,8 @@ def add_target_terms(c, e2, rows: RowLayout, targets, coef_out, zt, softcap, acc
     end = torch.searchsorted(tgt, tgt, right=True)
     row_idx = rows.row_index(D)
     kernel = load_utility("target_terms.py.j2", "cce_target_terms_kernel")
-    block_d = min(256, triton.next_power_of_2(D))
-    kernel[(n, triton.cdiv(D, block_d))](
+    block_d = min(256, next_power_of_2(D))
+    kernel[(n, cdiv(D, block_d))](
         c, e2, row_idx, order, tgt, end, w, acc, dc, dbias if dbias is not None else w, n, D,
         c.stride(0), c.stride(1), e2.stride(0), e2.stride(1), acc.stride(0), acc.stride(1),
         dc.stride(0), dc.stride(1),

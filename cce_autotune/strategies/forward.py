@@ -5,8 +5,9 @@ them (the fused one computes the forward with its gradients).
 
 from __future__ import annotations
 
-from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
+from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import load_kernel, load_utility
+from ..launch import cdiv
 from ..tile_map import TileMap
 from .common import RowLayout, convert_rows, flags, softcap_arg, tma_descriptors
 
@@ -31,7 +32,7 @@ def prepare_targets(raw, token_weights, ignore_index: int, V: int) -> tuple:
     bad = torch.empty(n, dtype=torch.bool, device=dev)
     targets = torch.empty(n, dtype=torch.int64, device=dev)
     weights = torch.empty(n, dtype=torch.float32, device=dev)
-    blocks = triton.cdiv(n, TARGETS_BLOCK)
+    blocks = cdiv(n, TARGETS_BLOCK)
     firsts = torch.empty((blocks, 2), dtype=torch.int64, device=dev)
     if n:
         kernel = load_utility("targets.py.j2", "cce_targets_kernel")
@@ -48,7 +49,7 @@ def indexed_dot(e, c, bias, rows: RowLayout, targets, softcap, variant) -> torch
     if n_rows == 0:
         return out
     kernel = load_kernel(variant, flags(e, c, bias, softcap, variant.block_d, rows))
-    grid = (triton.cdiv(n_rows, variant.block_b),)
+    grid = (cdiv(n_rows, variant.block_b),)
     kernel[grid](
         e, c, bias if bias is not None else c, rows.offsets, targets, out,
         n_rows, D, rows.stride, e.stride(-1), c.stride(0), c.stride(1), softcap_arg(softcap),
@@ -82,7 +83,7 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant,
     V = c.shape[0]
     dev = e.device
     record = perm is not None and zt is not None
-    n_tiles = triton.cdiv(V, variant.block_v)
+    n_tiles = cdiv(V, variant.block_v)
     tmap = None
     if record:
         tmap = TileMap(q=torch.empty((n_tiles, n_rows), dtype=torch.int8, device=dev), block_v=variant.block_v,
@@ -112,7 +113,7 @@ def convert_width(V: int, D: int, block_v: int, elem: int, max_bytes: int) -> in
     """Rows of the classifier converted at a time: a multiple of ``block_v`` within ``max_bytes``
     (at least one tile)."""
     rows = max(block_v, int(max_bytes) // max(1, D * elem) // block_v * block_v)
-    return min(rows, triton.cdiv(V, block_v) * block_v)
+    return min(rows, cdiv(V, block_v) * block_v)
 
 
 def converted_classifier(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -128,7 +129,7 @@ def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_lo
     n_rows = rows.n
     V = perm.shape[0] if perm is not None else c.shape[0]
     dev = e.device
-    n_tiles = triton.cdiv(V, variant.block_v)
+    n_tiles = cdiv(V, variant.block_v)
     num_splits = lse_splits(n_tiles, variant.num_splits)
     if variant.merge == "buffer":
         out = torch.empty((num_splits, n_rows), dtype=torch.float32, device=dev)
@@ -142,7 +143,7 @@ def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_lo
     fl = flags(e, c, bias, softcap, variant.block_d, rows, walk_perm=perm is not None, tile_map=record,
                c_local=c_local, e_desc=e_desc is not None, c_desc=c_desc is not None)
     kernel = load_kernel(variant, fl)
-    grid = (triton.cdiv(n_rows, variant.block_b) * num_splits,)
+    grid = (cdiv(n_rows, variant.block_b) * num_splits,)
     kernel[grid](
         e if e_desc is None else e_desc, c if c_desc is None else c_desc,
         bias if bias is not None else c, rows.offsets, out, locks,
@@ -170,5 +171,5 @@ def merge_splits(parts: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.float32, device=parts.device)
     if n:
         kernel = load_utility("lse_merge.py.j2", "cce_lse_merge_kernel")
-        kernel[(triton.cdiv(n, MERGE_BLOCK),)](parts, out, n, splits, BLOCK=MERGE_BLOCK, num_warps=4)
+        kernel[(cdiv(n, MERGE_BLOCK),)](parts, out, n, splits, BLOCK=MERGE_BLOCK, num_warps=4)
     return out

@@ -9,8 +9,9 @@ taken in another order (one program, a fixed order: the same bits every run).
 
 from __future__ import annotations
 
-from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
+from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import load_utility
+from ..launch import cdiv
 
 __all__ = ["ROWS_BLOCK", "row_loss", "row_coefficients"]
 
@@ -36,7 +37,7 @@ def row_loss(lse, zt, zsum, valid, out_of_range, weights, *, reduction: str, lab
         rows = torch.empty(n, dtype=torch.float32, device=dev)
         if n:
             kernel = load_utility("rows.py.j2", "cce_loss_rows_kernel")
-            kernel[(triton.cdiv(n, ROWS_BLOCK),)](*args, rows, n, *scalars, **flags, num_warps=4,
+            kernel[(cdiv(n, ROWS_BLOCK),)](*args, rows, n, *scalars, **flags, num_warps=4,
                                                   enable_fp_fusion=False)
         return rows, lse_out, None
     out = torch.empty(2, dtype=torch.float32, device=dev)
@@ -66,7 +67,7 @@ def row_coefficients(grad_loss, grad_lse, valid, weights, lse, denominator, *, r
         per_row = reduction == "none"
         gl = grad_loss.reshape(-1) if grad_loss is not None and per_row else grad_loss
         kernel = load_utility("rows.py.j2", "cce_coefficients_kernel")
-        kernel[(triton.cdiv(n, ROWS_BLOCK),)](
+        kernel[(cdiv(n, ROWS_BLOCK),)](
             gl if gl is not None else lse, grad_lse if grad_lse is not None else lse, valid, weights, lse,
             denominator if denominator is not None else lse, coef_s, coef_t, coef_u if smooth else coef_t, lse_v, n,
             gl.stride(0) if per_row and gl is not None else 0, grad_lse.stride(0) if grad_lse is not None else 0,

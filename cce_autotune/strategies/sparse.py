@@ -8,8 +8,9 @@ Cost: ``sparse_per_live`` x the live share.
 
 from __future__ import annotations
 
-from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
+from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import load_kernel
+from ..launch import cdiv
 from ..plans import CallProblem, Option
 from ..tile_map import tile_ids
 from .base import Coefficient, PlanContext, Strategy, map_overhead
@@ -60,7 +61,7 @@ class Sparse(Strategy):
         V = c.shape[0]
         dev = e.device
         BB, BV, BDO = variant.block_b, variant.block_v, variant.out_block_d
-        R, T = triton.cdiv(n, BB), triton.cdiv(V, BV)
+        R, T = cdiv(n, BB), cdiv(V, BV)
         ids = tiles.long()
         n_live = ids.numel()
         fl = flags(e, c, bias, softcap, variant.block_d, rows)
@@ -94,7 +95,7 @@ class Sparse(Strategy):
         stages = max(1, min(variant.num_stages, args.costs.sparse_smem // per_stage))
         de = torch.zeros(e.shape, dtype=e.dtype, device=dev)
         dc = torch.empty(c.shape, dtype=dc_dtype or c.dtype, device=dev)
-        n_d = triton.cdiv(D, BDO)
+        n_d = cdiv(D, BDO)
         load_kernel(variant, fl, "cce_sparse_de_kernel")[(R, n_d)](
             c, perm, tiles, row_ptr, g_buf, targets, w, de, rows.de_offsets,
             n, V, D, c.stride(0), c.stride(1),
