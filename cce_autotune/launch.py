@@ -29,8 +29,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for n <= 1), as ``triton.next_power_of_2`` without its cost."""
-    return 1 << (n - 1).bit_length() if n > 1 else 1
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2`` without its cost."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def direct_launches(on: bool | None = None) -> bool:
