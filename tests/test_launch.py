@@ -218,6 +218,96 @@ def test_on_a_gpu_later_launches_skip_triton_s_path_and_compute_the_same(monkeyp
         assert torch.equal(a, b) and torch.equal(a, s)
 
 
+# -- a series of launches (Launcher.series) --------------------------------------------------------
+class SeriesJit(Jit):
+    """A JIT function whose binder is counted, with its parameters (``n`` positional ones, then the
+    constants) and the per-argument specialization that Triton's binder calls for each of them."""
+
+    def __init__(self, n: int, constants=("BLOCK",)):
+        super().__init__()
+        plain = dict(is_constexpr=False, is_const=False, do_not_specialize=False,
+                     do_not_specialize_on_alignment=False, annotation_type="")
+        self.params = [SimpleNamespace(**plain) for _ in range(n)] + [
+            SimpleNamespace(**(plain | {"is_constexpr": True})) for _ in constants]
+        self.binds = 0
+        self.device_caches = {0: ("cache", "target", "backend", self.counted_binder)}
+
+    def counted_binder(self, *args, **kw):
+        self.binds += 1
+        return self.binder(*args, **kw)
+
+
+@pytest.fixture
+def specialize(monkeypatch, triton_stub):
+    """Triton's per-argument specialization, as the stand-in binder specializes (calls counted)."""
+    calls = []
+
+    def native(backend, arg, is_const, spec, align):
+        assert backend == "backend"
+        calls.append(arg)
+        return Jit._spec(arg)
+
+    monkeypatch.setitem(launch._state, "specialize", native)
+    return calls
+
+
+def test_a_series_binds_once_while_the_changed_arguments_specialize_alike(specialize):
+    jit = SeriesJit(3)
+    s = Launcher(jit).series()
+    e, c = ("e", True), ("c", True)
+    for lo in (0, 2048, 4096, 6144):
+        s[(8,)](e, c, lo, BLOCK=32, num_warps=4)
+    assert len(jit.launched) == 1 and jit.binds == 1  # (the first: Triton's path, which binds on its own)
+    (compiled,) = jit.compiled.values()
+    assert [call[9:] for call in compiled.calls] == [(e, c, lo, 32) for lo in (2048, 4096, 6144)]
+    assert specialize == [2048, 4096, 6144]  # only the argument that changed, once a launch
+
+
+def test_a_series_binds_again_where_a_specialization_or_constant_changes(specialize):
+    jit = SeriesJit(3)
+    s = Launcher(jit).series()
+    e, c = ("e", True), ("c", True)
+    s[(1,)](e, c, 64, BLOCK=32)
+    s[(1,)](e, c, 64, BLOCK=32)  # (an equal int: its specialization is compared, equal)
+    assert jit.binds == 1
+    s[(1,)](e, c, 65, BLOCK=32)  # not divisible by 16: another kernel
+    s[(1,)](e, ("c", False), 80, BLOCK=32)  # a misaligned tensor
+    s[(1,)](e, ("c", False), 80, BLOCK=64)  # a constant changed
+    s[(1,)](e, ("c", False), 80, BLOCK=64, num_warps=8)  # an option given
+    assert jit.binds == 5 and len(jit.launched) == 5  # (each a new specialization: Triton's path)
+    s[(1,)](e, ("c", False), 96, BLOCK=64, num_warps=8)
+    assert jit.binds == 5 and len(jit.launched) == 5  # the last bound launch's kernel again, directly
+    last = jit.compiled[(("*bf16", "D"), ("*bf16", ""), ("i32", "D"), ("constexpr", 64))]
+    assert last.calls[-1][9:] == (e, ("c", False), 96, 64)
+
+
+def test_a_series_without_triton_s_specialization_binds_every_launch(triton_stub, monkeypatch):
+    monkeypatch.setitem(launch._state, "specialize", None)
+    jit = SeriesJit(2)
+    s = Launcher(jit).series()
+    for lo in (0, 16, 32):
+        s[(1,)](("e", True), lo, BLOCK=32)
+    assert jit.binds == 3 and len(jit.launched) == 1
+
+
+def test_a_series_with_a_hook_launches_through_triton(specialize, triton_stub):
+    jit = SeriesJit(2)
+    s = Launcher(jit).series()
+    s[(1,)](("e", True), 0, BLOCK=32)
+    triton_stub.launch_enter_hook.calls.append(lambda metadata: None)
+    s[(1,)](("e", True), 16, BLOCK=32)
+    assert len(jit.launched) == 2
+
+
+def test_a_binder_of_another_layout_turns_the_series_off(specialize):
+    jit = SeriesJit(2)
+    jit.params = jit.params[:1]  # (fewer parameters than the binder's values)
+    s = Launcher(jit).series()
+    for lo in (0, 16, 32):
+        s[(1,)](("e", True), lo, BLOCK=32)
+    assert jit.binds == 3 and specialize == []
+
+
 def test_the_host_s_cdiv_and_next_power_of_2_are_triton_s():
     import triton
 

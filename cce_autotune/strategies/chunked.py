@@ -345,16 +345,25 @@ class Chunked(Strategy):
                                  dead_unwritten=use_live and unread,
                                  c_local=c_buf is not None, live_mass=mass is not None,
                                  e_desc=e_descs[0] is not None, c_desc=c_desc is not None)
-            kernel = load_kernel(variant, kernel_flags)
+            kernel = load_kernel(variant, kernel_flags).series()  # (a launch per chunk: see launch.Series)
             # Rows of E that no problem row reads (shift, ignored rows) keep a zero gradient row in g.
             g_rows = max(grp.span for grp in groups)
             g_buf = (torch.zeros if n < N else torch.empty)((g_rows, W), dtype=e.dtype, device=dev)
             # Row groups: dC[chunk] summed over the groups in fp32, one rounding when written.
             dc_part = torch.empty((W, D), dtype=torch.float32, device=dev) if len(groups) > 1 else None
-            # Each group's rows of the per-row arguments, sliced once (views; launches dominate small blocks).
-            per_group = [(rows.offsets[gr.lo:], target_pos[gr.lo:], lse[gr.lo:], coef_s[gr.lo:], coef_t[gr.lo:],
-                          live[gr.lo // variant.block_b:] if use_live else lse, () if mass is None else (mass[gr.lo:],))
-                         for gr in groups]
+            # Each group's arguments of the gradient kernel but the chunk's (its rows of the per-row ones:
+            # views), made once: the host's time per launch is this loop's price where many chunks are live.
+            c_arg0 = c if c_buf is None else c_buf  # (the chunk's rows convert into c_buf: its address)
+            c_in = c_arg0 if c_desc is None else c_desc
+            per_group = [(
+                (gr.e if e_descs[j] is None else e_descs[j], c_in, bias if bias is not None else c, rows.offsets[gr.lo:],
+                 gr.g_offsets, target_pos[gr.lo:], lse[gr.lo:], coef_s[gr.lo:], coef_t[gr.lo:],
+                 perm if perm is not None else target_pos, live[gr.lo // variant.block_b:] if use_live else lse, g_buf,
+                 dbias_k if dbias_k is not None else lse, gr.n, V, D, rows.stride, e.stride(-1), c_arg0.stride(0),
+                 c_arg0.stride(1), g_buf.stride(0), softcap_arg(softcap)),
+                () if mass is None else (mass[gr.lo:],)) for j, gr in enumerate(groups)]
+            constants = dict(BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+                             GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages)
             # ... and its rows of E, of the dE accumulator and of g, for the products.
             views = [(e2[gr.first : gr.first + gr.span], acc[gr.first : gr.first + gr.span], g_buf[: gr.span])
                      for gr in groups]
@@ -369,7 +378,7 @@ class Chunked(Strategy):
                         products.run(k, 0, groups[0].n, lo, views[0][2][:, :w], c_read, perm, acc, views[0][0], dc,
                                      out_local=False, accumulate=False, de=False)
                     continue
-                chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None
+                chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None  # (into c_buf)
                 c_arg = c if chunk is None else chunk
                 # (tile products read C's rows and write dC's through the order: nothing gathered, but a
                 # sum over row groups, or a deterministic dbias, scattered)
@@ -382,17 +391,8 @@ class Chunked(Strategy):
                 for j in todo:
                     grp = groups[j]
                     grid = (cdiv(grp.n, variant.block_b) * cdiv(w, variant.block_v),)
-                    offsets, tpos, lse_g, cs, ct, live_g, mass_g = per_group[j]
-                    kernel[grid](
-                        grp.e if e_descs[j] is None else e_descs[j], c_arg if c_desc is None else c_desc,
-                        bias if bias is not None else c, offsets, grp.g_offsets, tpos,
-                        lse_g, cs, ct, perm if perm is not None else target_pos, live_g, g_buf,
-                        dbias_k if dbias_k is not None else lse,
-                        grp.n, V, D, rows.stride, e.stride(-1), c_arg.stride(0), c_arg.stride(1), g_buf.stride(0),
-                        softcap_arg(softcap), lo, w, *mass_g,
-                        BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
-                        GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages,
-                    )
+                    head, mass_g = per_group[j]
+                    kernel[grid](*head, lo, w, *mass_g, **constants)
                     if grp.holes is not None:
                         g_buf.index_fill_(0, grp.holes, 0)  # rows another group wrote, not this group's
                     e_rows, acc_g, g = views[j]
@@ -467,7 +467,7 @@ class _TileProducts:
         part alone: for a chunk without a live tile in group j, it writes the chunk's rows of ``out``
         as zeros (reading nothing of ``g``)."""
         if self.kernel is None:
-            self.kernel = load_kernel(self.variant, self.kernel_flags, name="cce_chunk_products_kernel")
+            self.kernel = load_kernel(self.variant, self.kernel_flags, name="cce_chunk_products_kernel").series()
             self.row_idx, self.row_cnt, self.col_idx, self.col_cnt = live_lists(self.live, self.cb, self.rg)
         w, D = g.shape[1], e_rows.shape[1]
         n_d = cdiv(D, self.bdo)

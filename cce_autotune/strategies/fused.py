@@ -190,7 +190,7 @@ class Fused(Strategy):
             e_desc = tma_descriptors(e_blk, c, m, e_blk.stride(0), variant, c_by_position=False)[0]
             if (e_desc is None) not in kernels:
                 fl = flags(e, c, bias, softcap, variant.block_d, rows, e_desc=e_desc is not None, c_desc=c_desc is not None)
-                kernels[e_desc is None] = tuple(load_kernel(v, fl, name=k) for k in (
+                kernels[e_desc is None] = tuple(load_kernel(v, fl, name=k).series() for k in (  # (see launch.Series)
                     "cce_fused_logits_kernel", "cce_fused_grad_kernel"))
             logits_kernel, grad_kernel = kernels[e_desc is None]
             tgt, lse_b, zt_b = tgts[b], lses[b], zts[b]
