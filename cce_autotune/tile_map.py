@@ -21,8 +21,10 @@ import math
 from dataclasses import dataclass
 
 from ._lazy import torch  # (imported on first use: see cce_autotune._lazy)
+from .codegen import load_utility
+from .launch import cdiv
 
-__all__ = ["sort_order", "TileMap", "threshold", "live_grid", "dropped_share", "tile_ids", "live_tiles"]
+__all__ = ["sort_order", "TileMap", "measure", "live_grid", "dropped_share", "tile_ids", "live_tiles"]
 
 
 def sort_order(e_rows: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None = None,
@@ -58,66 +60,53 @@ class TileMap:
         return self.q.numel() * self.q.element_size()
 
 
-def live_grid(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int,
-              thr: torch.Tensor | None = None) -> torch.Tensor:
-    """(row blocks, tiles) bool: which of the backward's (block_b x block_v) tiles, in the walked
-    order, may hold a softmax value >= ``filter_eps``. ``thr``: :func:`threshold` at ``filter_eps``,
-    where the caller has it already (else made here)."""
+def measure(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int,
+            block_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(live, dropped)`` at ``filter_eps``, in one pass over the map (one launch of
+    ``templates/map_measure.py.j2``, then the division of its sums):
+
+    - ``live``: (row blocks, tiles) bool, which of the backward's (``block_b`` x ``block_v``) tiles, in
+      the walked order, may hold a softmax value >= ``filter_eps``: row i is live in forward tile t
+      where ``q[t, i] >= ceil(8 (log filter_eps + lse_i - z_i,target))`` (a NaN threshold: everywhere),
+      unless its LSE is infinite (an ignored row: no gradient);
+    - ``dropped``: 0-dim fp32, a bound on the softmax mass that filtering drops, as a share of the
+      gradient's L1 mass. Every (row, forward tile) below the row's threshold counts with the tile's
+      width times the largest softmax value its bound allows, ``block_v * exp(q / 8 + z_target -
+      lse)`` (an upper bound: the backward drops only tiles dead for a whole block of rows, and a
+      tile's values sit below its maximum). The gradient of row i, softmax minus onehot, has L1 mass
+      ``2 (1 - p_i,target)``; rows with a non-finite LSE or target logit count in neither sum.
+
+    Both widths are powers of two."""
     q = tmap.q
-    n = q.shape[1]
+    TF, n = q.shape
     dev = q.device
-    thr = threshold(tmap, lse, filter_eps) if thr is None else thr
-    live_rows = q >= thr[None, :]  # (T_f, n); q == 127 (saturated) passes every threshold
-    live_rows &= (lse != float("inf"))[None, :]  # an ignored row (infinite LSE) has no gradient
-    # Rows -> row blocks of the backward.
-    R = -(-n // block_b)
-    padded = torch.zeros((q.shape[0], R * block_b), dtype=torch.bool, device=dev)
-    padded[:, :n] = live_rows
-    del live_rows
-    live = padded.view(q.shape[0], R, block_b).any(dim=2)  # (T_f, R)
-    # Forward tiles -> backward tiles (both widths are powers of two).
-    T = -(-V // block_v)
-    if block_v <= tmap.block_v:
-        live = live.repeat_interleave(tmap.block_v // block_v, dim=0)[:T]
-    else:
-        r = block_v // tmap.block_v
-        wide = torch.zeros((T * r, R), dtype=torch.bool, device=dev)
-        wide[: live.shape[0]] = live
-        live = wide.view(T, r, R).any(dim=1)
-    return live.T.contiguous()
+    R, TB = cdiv(n, block_b), cdiv(V, block_v)
+    live = torch.zeros((R, TB), dtype=torch.uint8, device=dev)
+    if R == 0 or TB == 0:
+        return live.view(torch.bool), torch.zeros((), dtype=torch.float32, device=dev)
+    shared = block_v < tmap.block_v  # (a forward tile holds several backward tiles)
+    rf = 1 if shared else block_v // tmap.block_v
+    bt = max(1, 4096 // (rf * block_b))  # tiles per program: blocks of at most 4096 bounds
+    P = cdiv(TB, bt)
+    drop = torch.empty((R, P), dtype=torch.float32, device=dev)
+    l1 = torch.empty(R, dtype=torch.float32, device=dev)
+    kernel = load_utility("map_measure.py.j2", "cce_map_measure_kernel")
+    kernel[(R, P)](q, lse, tmap.zt, live, drop, l1, n, TF, TB, P, q.stride(0), q.stride(1), math.log(filter_eps),
+                   tmap.block_v, block_v, BLOCK_B=block_b, BLOCK_T=bt, RF=rf, SHARED=shared, num_warps=4)
+    dropped = drop.sum() * tmap.block_v / l1.sum().clamp_min(1e-30)
+    return live.view(torch.bool), dropped
 
 
-def threshold(tmap: TileMap, lse: torch.Tensor, filter_eps: float) -> torch.Tensor:
-    """Per row: the smallest q that can be live, as an int8 threshold (NaN -> everything live)."""
-    thr = torch.ceil(8.0 * (math.log(filter_eps) + lse.float() - tmap.zt.float()))
-    return torch.nan_to_num(thr, nan=-128.0, posinf=127.0, neginf=-128.0).clamp_(-128, 127).to(torch.int8)
+def live_grid(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b: int, block_v: int) -> torch.Tensor:
+    """(row blocks, tiles) bool: which of the backward's (block_b x block_v) tiles, in the walked
+    order, may hold a softmax value >= ``filter_eps`` (:func:`measure`'s ``live``)."""
+    return measure(tmap, lse, filter_eps, V, block_b, block_v)[0]
 
 
-def dropped_share(tmap: TileMap, lse: torch.Tensor, filter_eps: float, thr: torch.Tensor | None = None) -> torch.Tensor:
+def dropped_share(tmap: TileMap, lse: torch.Tensor, filter_eps: float) -> torch.Tensor:
     """0-dim fp32: a bound on the softmax mass that filtering at ``filter_eps`` drops, as a share of
-    the gradient's L1 mass.
-
-    Every (row, forward tile) below the row's threshold counts with the tile's width times the
-    largest softmax value its bound allows, ``block_v * exp(q / 8 + z_target - lse)`` (an upper
-    bound: the backward drops only tiles dead for a whole block of rows, and a tile's values sit
-    below its maximum). The gradient of row i, softmax minus onehot, has L1 mass
-    ``2 (1 - p_i,target)``; rows with an infinite LSE (ignored) count in neither sum. ``thr``: as
-    :func:`live_grid` takes it."""
-    q = tmap.q
-    T, n = q.shape
-    lse = lse.float()
-    zt = tmap.zt.float()
-    ok = torch.isfinite(lse) & torch.isfinite(zt)
-    log_pt = torch.where(ok, zt - lse, -math.inf)  # log of the target's softmax value, per row
-    thr = threshold(tmap, lse, filter_eps) if thr is None else thr
-    below = torch.zeros(n, dtype=torch.float32, device=q.device)
-    step = max(1, (1 << 22) // max(1, n))  # tiles per slice: a few MiB of temporaries
-    for t0 in range(0, T, step):
-        qs = q[t0 : t0 + step]
-        below += torch.where(qs < thr[None, :], torch.exp(qs.float() * 0.125), 0.0).sum(0)
-    dropped = (below * torch.exp(log_pt)).sum() * tmap.block_v
-    grad_l1 = torch.where(ok, 2.0 * (1.0 - torch.exp(log_pt)), 0.0).clamp_min(0.0).sum()
-    return dropped / grad_l1.clamp_min(1e-30)
+    the gradient's L1 mass (:func:`measure`'s ``dropped``)."""
+    return measure(tmap, lse, filter_eps, tmap.q.shape[0] * tmap.block_v, 64, tmap.block_v)[1]
 
 
 def tile_ids(live: torch.Tensor, group_b: int, swizzle: bool = True, count: int | None = None) -> torch.Tensor:

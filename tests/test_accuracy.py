@@ -181,8 +181,12 @@ def test_guard_lowering_the_checked_filter_drops_the_correction(device, monkeypa
     u = torch.ones(e.shape[1], device=device)
     monkeypatch.setattr(planner, "check_filter", lambda *a, **k: (eps, (), u))  # a remembered corrected choice
     # the guard's bound: too much at the checked filter, nothing 16x below it
-    monkeypatch.setattr(planner, "dropped_share",
-                        lambda tm, lse, x, thr=None: torch.tensor(1.0 if x > 2.0**-8 else 0.0, device=device))
+    def bound(x):
+        return torch.tensor(1.0 if x > 2.0**-8 else 0.0, device=device)
+
+    real = planner.measure
+    monkeypatch.setattr(planner, "measure", lambda tm, lse, x, *a: (real(tm, lse, x, *a)[0], bound(x)))
+    monkeypatch.setattr(planner, "dropped_share", lambda tm, lse, x: bound(x))
     set_costs(pause_share=math.inf)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
     ee, cc = e.clone().requires_grad_(), c.clone()

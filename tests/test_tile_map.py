@@ -362,15 +362,80 @@ def test_map_path_is_as_accurate_as_the_first_call(strategy, dtype, device):
 
 
 # -- the planner's accuracy guard ---------------------------------------------------------------
+def _threshold(tmap, lse, eps):
+    """Per row: the smallest q that can be live (the reference: NaN -> everything live)."""
+    thr = torch.ceil(8.0 * (math.log(eps) + lse.float() - tmap.zt.float()))
+    return torch.nan_to_num(thr, nan=-128.0, posinf=127.0, neginf=-128.0).clamp_(-128, 127).to(torch.int8)
+
+
+def _reference_measure(tmap, lse, eps, V, block_b, block_v):
+    """:func:`cce_autotune.tile_map.measure` in PyTorch, from its definition: ``(live, dropped)``."""
+    q, thr = tmap.q, _threshold(tmap, lse, eps)
+    T_f, n = q.shape
+    live_rows = (q >= thr[None, :]) & (lse != float("inf"))[None, :]  # (forward tiles, rows)
+    R, T = -(-n // block_b), -(-V // block_v)
+    padded = torch.zeros((T_f, R * block_b), dtype=torch.bool, device=q.device)
+    padded[:, :n] = live_rows
+    live = padded.view(T_f, R, block_b).any(2)  # (forward tiles, row blocks)
+    if block_v <= tmap.block_v:
+        live = live.repeat_interleave(tmap.block_v // block_v, dim=0)[:T]
+    else:
+        r = block_v // tmap.block_v
+        wide = torch.zeros((T * r, R), dtype=torch.bool, device=q.device)
+        wide[:T_f] = live[: T * r]
+        live = wide.view(T, r, R).any(1)
+    lse, zt = lse.double(), tmap.zt.double()
+    ok = torch.isfinite(lse) & torch.isfinite(zt)
+    pt = torch.where(ok, torch.exp(zt - lse), 0.0)
+    below = torch.where(q < thr[None, :], torch.exp(q.double() / 8), 0.0).sum(0)
+    dropped = (below * pt).sum() * tmap.block_v / torch.where(ok, 2 * (1 - pt), 0.0).clamp_min(0).sum().clamp_min(1e-30)
+    return live.T.contiguous(), dropped
+
+
+@pytest.mark.parametrize("fwd_bv, bwd_bb, bwd_bv", [(32, 16, 16), (32, 16, 64), (16, 32, 32), (64, 64, 16), (16, 8, 128)])
+def test_the_map_is_measured_as_its_definition_says(fwd_bv, bwd_bb, bwd_bv, device):
+    from cce_autotune.tile_map import measure
+
+    gen = torch.Generator().manual_seed(fwd_bv + bwd_bb + bwd_bv)
+    n, V = 77, 301
+    T_f = -(-V // fwd_bv)
+    q = torch.randint(-128, -20, (T_f, n), dtype=torch.int8, generator=gen)
+    hot = torch.rand((T_f, n), generator=gen) < 0.02  # (a few live bounds, and saturated ones)
+    q[hot] = torch.randint(-20, 128, (int(hot.sum()),), dtype=torch.int8, generator=gen)
+    q = q.to(device)
+    zt = torch.randn(n, generator=gen).to(device)
+    lse = zt + 3.0 * torch.rand(n, generator=gen).to(device)
+    lse[5], lse[9], zt[12], lse[20] = float("inf"), float("nan"), float("nan"), -float("inf")  # (ignored, broken rows)
+    tmap = TileMap(q=q, block_v=fwd_bv, perm=torch.arange(V, dtype=torch.int32, device=device), zt=zt)
+    seen = []
+    for eps in (2.0**-4, 2.0**-10):
+        live, dropped = measure(tmap, lse, eps, V, bwd_bb, bwd_bv)
+        ref_live, ref_dropped = _reference_measure(tmap, lse, eps, V, bwd_bb, bwd_bv)
+        assert live.dtype == torch.bool and live.shape == ref_live.shape
+        assert torch.equal(live, ref_live)
+        assert abs(float(dropped) - float(ref_dropped)) <= 1e-5 * float(ref_dropped) + 1e-30
+        seen += [float(live.float().mean()), float(dropped)]
+    assert any(0 < x < 1 for x in seen[0::2]) and min(seen[1::2]) > 0, seen  # (both sides exercised)
+
+
+def test_an_empty_map_measures_nothing(device):
+    from cce_autotune.tile_map import measure
+
+    tmap = TileMap(q=torch.zeros((4, 0), dtype=torch.int8, device=device), block_v=16,
+                   perm=torch.arange(64, dtype=torch.int32, device=device), zt=torch.zeros(0, device=device))
+    live, dropped = measure(tmap, torch.zeros(0, device=device), 2.0**-8, 64, 16, 16)
+    assert live.shape == (0, 4) and float(dropped) == 0.0
+
+
 def test_dropped_share_bounds_the_mass_the_filter_drops(device):
-    from cce_autotune.tile_map import dropped_share, threshold
+    from cce_autotune.tile_map import dropped_share
 
     e, c, t, _ = make_inputs((50,), 300, 32, torch.float32, peaked=1.0, seed=4, device=device)
     lse, tmap = _forward_map(e, c, t, MAPPED.lse_forward)
     p = torch.softmax(e.double() @ c.double().T, dim=1)[:, tmap.perm.long()]  # walked order
     bv = tmap.block_v
     for eps in (2.0**-4, 2.0**-8, 2.0**-12):
-        dead = (tmap.q < threshold(tmap, lse, eps)[None, :]).T  # (rows, forward tiles)
+        dead = (tmap.q < _threshold(tmap, lse, eps)[None, :]).T  # (rows, forward tiles)
         cols = dead.repeat_interleave(bv, dim=1)[:, : p.shape[1]]
         true = (p * cols).sum() / (2 * (1 - p.gather(1, tmap.perm.long().argsort()[t][:, None]))).sum()
         bound = float(dropped_share(tmap, lse, eps))

@@ -35,7 +35,7 @@ from ..codegen import interpreting
 from ..plans import BackwardPlan, CallPlan, CallProblem, ForwardPlan
 from ..strategies.base import FORWARD_TILE_V, PlanContext, mm_ms
 from ..strategies.forward import convert_width
-from ..tile_map import dropped_share, live_grid, threshold
+from ..tile_map import dropped_share, measure
 from . import accuracy, explain, filters
 from .budget import memory_budget
 
@@ -684,10 +684,8 @@ def _measure(p: CallProblem, variant, eps: float, tile_map, lse, budget, costs) 
     the live tiles of each tile column and each strategy's live blocks (nothing read back here)."""
     ctx = PlanContext(problem=p, variant=variant, costs=costs, budget=budget, use_map=True, live=1.0,
                       live_blocks=1.0, n_live=0, fixed=0.0, exact=False)
-    thr = threshold(tile_map, lse, eps)  # (once: both measurements read it)
-    live = live_grid(tile_map, lse, eps, p.V, variant.block_b, variant.block_v, thr)
+    live, dropped = measure(tile_map, lse, eps, p.V, variant.block_b, variant.block_v)  # (one pass over the map)
     grids = [(s.name, g) for s in strategies.all_strategies() if (g := s.blocks(live, ctx)) is not None]
-    dropped = dropped_share(tile_map, lse, eps, thr)
     values = torch.cat([dropped.view(1).double(), live.sum(0).double(), *(g.double() for _, g in grids)])
     layout = _Layout(live.shape[1], live.shape[0], tuple((name, g.numel()) for name, g in grids))
     return live, layout, values
