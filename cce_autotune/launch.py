@@ -182,17 +182,24 @@ class Series:
             return None
         params = self.launcher.jit.params
         specialize = _state["specialize"]
-        for i, a in enumerate(args):
-            b = last_args[i]
-            if a is b:
-                continue
-            kp = params[i]
-            if kp.is_constexpr or kp.annotation_type:
-                if type(a) is not type(b) or type(a) not in (int, bool, float) or a != b:
+        try:
+            for i, a in enumerate(args):
+                b = last_args[i]
+                if a is b:
+                    continue
+                kp = params[i]
+                if kp.is_constexpr or kp.annotation_type:
+                    if type(a) is not type(b) or type(a) not in (int, bool, float) or a != b:
+                        return None
+                    continue
+                s = specialize(backend, a, kp.is_const, not kp.do_not_specialize, not kp.do_not_specialize_on_alignment)
+                if tuple(s) != tuple(spec[i]):
                     return None
-                continue
-            s = specialize(backend, a, kp.is_const, not kp.do_not_specialize, not kp.do_not_specialize_on_alignment)
-            if tuple(s) != tuple(spec[i]):
-                return None
+        except (AttributeError, TypeError, ValueError, IndexError):
+            # (not the Triton this was written for: series bind every launch from now on; the
+            # launcher's own direct path is not affected)
+            _state["specialize"] = None
+            self.last = None
+            return None
         self.last = (args, last_kw, device, spec, tail, compiled, backend)
         return compiled, [*args, *tail]

@@ -299,6 +299,19 @@ def test_a_series_with_a_hook_launches_through_triton(specialize, triton_stub):
     assert len(jit.launched) == 2
 
 
+def test_a_specialization_of_another_signature_turns_series_off_not_direct_launches(triton_stub, monkeypatch):
+    def native(backend, arg):  # (a Triton whose function takes other arguments)
+        return Jit._spec(arg)
+
+    monkeypatch.setitem(launch._state, "specialize", native)
+    jit = SeriesJit(2)
+    s = Launcher(jit).series()
+    for lo in (0, 16, 32):
+        s[(1,)](("e", True), lo, BLOCK=32)
+    assert jit.binds == 3 and len(jit.launched) == 1  # bound each time, launched directly after the first
+    assert launch._state["specialize"] is None and launch.direct_launches()
+
+
 def test_a_binder_of_another_layout_turns_the_series_off(specialize):
     jit = SeriesJit(2)
     jit.params = jit.params[:1]  # (fewer parameters than the binder's values)
