@@ -630,3 +630,44 @@ def test_a_steady_default_call_makes_no_host_sync(monkeypatch, set_costs, planne
         torch.cuda.set_sync_debug_mode("default")
     assert "nothing read back" in planned[-1].call.backward.reason
     assert torch.isfinite(ee.grad.float()).all()
+
+
+@pytest.mark.parametrize("V, dtype", [(500, torch.bfloat16), (10, torch.float32)])
+def test_the_fingerprint_on_the_device_is_its_definition(V, dtype, device):
+    from cce_autotune.planning.planner import (Evidence, Fingerprint, _alike, _fingerprint_values, _probes,
+                                               fingerprint_held, fingerprint_tensor)
+    from cce_autotune.tile_map import TileMap
+
+    gen = torch.Generator().manual_seed(V)
+    n, D, sample = 300, 72, 64
+    e = torch.randn(n + 5, D, generator=gen).to(device=device, dtype=dtype)
+    c = torch.randn(V, D, generator=gen).to(device=device, dtype=dtype)
+    rows = (torch.arange(n) + 3).flip(0).to(device)  # (E's rows of the problem's rows)
+    zt = torch.randn(n, generator=gen).to(device)
+    lse = zt + 1.0 + torch.rand(n, generator=gen).to(device)
+    lse[7], lse[100] = float("inf"), float("nan")  # (an ignored row, a broken one: not counted)
+    tmap = TileMap(q=torch.zeros((1, n), dtype=torch.int8, device=device), block_v=16,
+                   perm=torch.arange(V, dtype=torch.int32, device=device), zt=zt)
+    ev = Evidence(e=e, c=c, bias=None, rows=rows, targets=None, lse=lse, softcap=None, tile_map=tmap,
+                  coef_s=None, coef_t=None)
+    values = fingerprint_tensor(ev, sample)
+    directions, probe_rows = _probes(D, V, device)
+    idx = accuracy.sample_rows(n, sample).to(device)
+    valid = torch.isfinite(lse[idx]).double()
+    ref = torch.cat([c[probe_rows].double() @ directions[:, 0].double(),
+                     (valid @ e[rows[idx]].double()) / valid.sum() @ directions.double(),
+                     (torch.where(valid > 0, lse[idx].double() - zt[idx].double(), 0.0).sum() / valid.sum()).view(1)])
+    assert values.shape == ref.shape and rel_err(values, ref) < 1e-5
+    now = _fingerprint_values(values.tolist(), values)
+    k = min(V, 16)
+    for part, scale, alike in [(slice(0, k), 1.05, True), (slice(0, k), 1.2, False), (slice(k, k + 16), 1.2, True),
+                               (slice(k, k + 16), 1.4, False), (slice(-1, None), 1.1, True), (slice(-1, None), 3.0, False),
+                               (slice(0, 0), 1.0, True)]:
+        moved = values.clone()
+        moved[part] *= scale
+        then = _fingerprint_values(moved.tolist(), moved)
+        again, held = fingerprint_held(ev, sample, then)
+        assert torch.equal(again, values)
+        assert held.dtype == torch.bool and held.dim() == 0
+        assert bool(held) == _alike(then, now) == alike, (part, scale)
+    assert not bool(fingerprint_held(ev, sample, Fingerprint((), (), 0.0, None))[1])  # no device values: not alike

@@ -31,7 +31,8 @@ from typing import Any, NamedTuple
 
 from .. import memory, strategies
 from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
-from ..codegen import interpreting
+from ..codegen import interpreting, load_utility
+from ..launch import cdiv
 from ..plans import BackwardPlan, CallPlan, CallProblem, ForwardPlan
 from ..strategies.base import FORWARD_TILE_V, PlanContext, mm_ms
 from ..strategies.forward import convert_width
@@ -40,7 +41,7 @@ from . import accuracy, explain, filters
 from .budget import memory_budget
 
 __all__ = ["choose_impl", "plan_call", "plan_forward", "plan_gradients", "plan_backward", "plan_fused",
-           "fused_allowed", "records_map", "converts_whole", "call_budget", "with_forward_tiles", "check_filter", "fingerprint", "fingerprint_tensor", "decide", "decide_unread", "Decision", "Measurement", "Fingerprint", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
+           "fused_allowed", "records_map", "converts_whole", "call_budget", "with_forward_tiles", "check_filter", "fingerprint", "fingerprint_tensor", "fingerprint_held", "decide", "decide_unread", "Decision", "Measurement", "Fingerprint", "exact_cost", "unfiltered_cost", "default_strategy", "Evidence"]
 
 
 # -- 1. the call ----------------------------------------------------------------------------------
@@ -479,6 +480,7 @@ def check_filter(ev: Evidence, filter_eps: float, block_b: int, block_v: int, co
 
 
 PROBES = 16  # classifier rows, and directions the rows' mean is projected on
+FINGERPRINT_BLOCK_D = 64  # columns of D a program of the fingerprint's parts takes
 CLASSIFIER_DRIFT = 0.1  # the relative change of the classifier's probe a reused verdict allows
 ROWS_DRIFT = 0.25  # of the rows' mean's projections
 LOSS_DRIFT = 0.2  # and of the rows' mean loss (relative, at least 0.2 nats)
@@ -513,16 +515,41 @@ def _fingerprint_values(host: list, values=None) -> Fingerprint:
 def fingerprint_tensor(ev: Evidence, sample: int):
     """:func:`fingerprint`'s numbers on the device (a 1-d fp32 tensor: the classifier's probes, the
     rows' 16 projections, the loss), for a caller that copies them with others."""
+    return _fingerprint_launch(ev, sample, None)[0]
+
+
+def fingerprint_held(ev: Evidence, sample: int, then: Fingerprint):
+    """``(values, held)``: :func:`fingerprint_tensor`, and whether a verdict measured with ``then``
+    may be reused on this call (:func:`_alike` on the device, in fp32: a 0-d bool tensor; False where
+    ``then`` has no device values of this layout). Nothing is read back."""
+    return _fingerprint_launch(ev, sample, then)
+
+
+def _fingerprint_launch(ev: Evidence, sample: int, then: Fingerprint | None) -> tuple:
+    """Two launches of ``templates/fingerprint.py.j2`` (the parts over slices of D, then the sums, the
+    mean loss and the comparison with ``then``): ``(values, held or None)``."""
     c, e = ev.c, ev.e
     V, D = c.shape
-    directions, probe_rows = _probes(D, V, c.device)
-    classifier = c[probe_rows].float() @ directions[:, 0]
-    idx = _sample(ev.rows.shape[0], sample, ev.rows.device)
-    valid = torch.isfinite(ev.lse[idx]).float()
-    n = valid.sum().clamp_min(1.0)
-    rows = (valid @ e.reshape(-1, D)[ev.rows[idx]].float()) / n @ directions
-    nll = torch.where(valid > 0, ev.lse[idx] - ev.tile_map.zt[idx].float(), 0.0).sum() / n
-    return torch.cat([classifier, rows, nll.reshape(1)])
+    dev = c.device
+    directions, probe_rows = _probes(D, V, dev)
+    idx = _sample(ev.rows.shape[0], sample, dev)
+    e2 = e.reshape(-1, D)
+    kc, S = probe_rows.numel(), idx.numel()
+    P = cdiv(D, FINGERPRINT_BLOCK_D)
+    parts = torch.empty((P, 2 * PROBES), dtype=torch.float32, device=dev)
+    load_utility("fingerprint.py.j2", "cce_fingerprint_parts_kernel")[(P,)](
+        c, probe_rows, directions, e2, ev.rows, idx, ev.lse, parts, D, S, kc,
+        c.stride(0), c.stride(1), e2.stride(0), e2.stride(1), directions.stride(0),
+        PROBES=PROBES, BLOCK_S=32, BLOCK_D=FINGERPRINT_BLOCK_D, num_warps=4)
+    values = torch.empty(kc + PROBES + 1, dtype=torch.float32, device=dev)
+    comparable = then is not None and then.values is not None and then.values.shape == values.shape \
+        and then.values.device == dev
+    held = torch.zeros(1, dtype=torch.int8, device=dev) if then is not None else None
+    load_utility("fingerprint.py.j2", "cce_fingerprint_kernel")[(1,)](
+        parts, idx, ev.lse, ev.tile_map.zt, then.values if comparable else values, values,
+        held if held is not None else values, P, S, kc, CLASSIFIER_DRIFT, ROWS_DRIFT, LOSS_DRIFT,
+        PROBES=PROBES, BLOCK_P=32, BLOCK_S=256, HAS_THEN=comparable, num_warps=4)
+    return values, None if held is None else held.view(torch.bool)[0]
 
 
 @lru_cache(maxsize=16)
@@ -549,22 +576,6 @@ def _alike(then: Fingerprint, now: Fingerprint) -> bool:
     (c0, r0, l0), (c1, r1, l1) = then[:3], now[:3]
     return (_drift(c0, c1) <= CLASSIFIER_DRIFT and _drift(r0, r1) <= ROWS_DRIFT
             and abs(l0 - l1) <= LOSS_DRIFT * max(abs(l0), abs(l1), 1.0))
-
-
-def _alike_on_device(then: Fingerprint, now):
-    """:func:`_alike` on the device, against ``now`` (:func:`fingerprint_tensor`'s values): a 0-d bool
-    tensor (False where ``then`` has no device values)."""
-    if then.values is None or then.values.shape != now.shape or then.values.device != now.device:
-        return torch.zeros((), dtype=torch.bool, device=now.device)
-    k = len(then.classifier)
-    a, b = then.values.double(), now.double()
-    d = b - a
-
-    def drift(sl):
-        return d[sl].norm() / a[sl].norm().clamp_min(1e-30)
-
-    loss = d[-1].abs() <= LOSS_DRIFT * torch.maximum(a[-1].abs(), b[-1].abs()).clamp_min(1.0)
-    return (drift(slice(0, k)) <= CLASSIFIER_DRIFT) & (drift(slice(k, k + PROBES)) <= ROWS_DRIFT) & loss
 
 
 class Decision(NamedTuple):
@@ -789,8 +800,8 @@ def decide_unread(p: CallProblem, variant, eps: float, ev: Evidence, verdict, *,
     out = out._replace(plan=replace(out.plan, reason=reason + out.plan.reason), blocks=None, columns=None)
     if out.plan.use_map:
         live, layout, values = _measure(p, variant, eps, ev.tile_map, ev.lse, budget, costs)
-        now = fingerprint_tensor(ev, costs.check_rows)
-        held = (values[0] <= costs.max_dropped) & _alike_on_device(verdict.fingerprint, now)
+        _, alike = fingerprint_held(ev, costs.check_rows, verdict.fingerprint)
+        held = (values[0] <= costs.max_dropped) & alike
         live.logical_or_(~held)  # (the guard or the fingerprint failed: every tile live, exact gradients)
         out = out._replace(live=live, measured=Measurement(key, layout, values=torch.cat([values, held.double().view(1)]),
                                                            verdict=verdict))
