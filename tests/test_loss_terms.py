@@ -325,13 +325,15 @@ def test_mixed_precision_forward_converts_chunks_like_a_16_bit_classifier(device
     assert rel_err(plain, lse16) < 1e-6
 
 
-def test_a_walked_forward_copying_c_in_chunks_matches_the_kernel_s_own_gather(device):
+@pytest.mark.parametrize("merge", ["buffer", "lock"])
+def test_a_walked_forward_copying_c_in_chunks_matches_the_kernel_s_own_gather(merge, device):
     # A 16-bit classifier walked in an order: copied a chunk of the order at a time (each chunk read
-    # by position) or gathered by the kernel itself, the LSE and the tile map are the same.
+    # by position; every chunk's split LSEs merged once, or each merged under the locks into one
+    # result) or gathered by the kernel itself, the LSE and the tile map are the same.
     from cce_autotune.strategies import forward as kernels
     from cce_autotune.strategies.common import RowLayout
 
-    variant = MAPPED.lse_forward
+    variant = MAPPED.lse_forward.replace(merge=merge)
     chunk = kernels.convert_width(333, 40, variant.block_v, 2, 2 * 32 * 40 * 2)  # two tiles: a short last chunk
     e, c, t, b = make_inputs((50,), 333, 40, torch.bfloat16, bias=True, device=device)
     rows = RowLayout.dense(50, 40, device)

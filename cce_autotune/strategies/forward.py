@@ -96,17 +96,24 @@ def lse_forward(e, c, bias, rows: RowLayout, softcap, variant,
         raise ValueError("convert_chunk: a classifier wider than e is converted in chunks: give their rows")
     W = convert_chunk
     buf = torch.empty((min(W, V), D), dtype=e.dtype, device=dev)
-    lse = None
-    for lo in range(0, V, W):
+    # Every chunk's partial LSEs in one buffer, merged once (a chunk narrower than the widest, the last,
+    # may launch fewer splits: its other rows stay -inf); with locks, every chunk merges into one result.
+    splits = lse_splits(cdiv(min(W, V), variant.block_v), variant.num_splits)
+    if variant.merge == "buffer":
+        acc, locks = torch.full((cdiv(V, W) * splits, n_rows), float("-inf"), dtype=torch.float32, device=dev), None
+    else:
+        acc = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
+        locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
+    for k, lo in enumerate(range(0, V, W)):
         w = min(W, V - lo)
         chunk = convert_rows(c, lo, w, perm, buf)
         # Walking an order: cols (bias, map) come from the chunk of the order, C's rows from the
         # chunk; else the chunk's columns are vocabulary entries lo.. (bias sliced to match).
-        part = _lse_launch(e, chunk, bias if perm is not None or bias is None else bias[lo : lo + w], rows, softcap,
-                           variant, perm[lo : lo + w] if perm is not None else None, zt,
-                           tmap.q[lo // variant.block_v :] if record else None, c_local=True)
-        lse = part if lse is None else torch.logaddexp(lse, part)
-    return lse, tmap
+        _lse_launch(e, chunk, bias if perm is not None or bias is None else bias[lo : lo + w], rows, softcap,
+                    variant, perm[lo : lo + w] if perm is not None else None, zt,
+                    tmap.q[lo // variant.block_v :] if record else None, c_local=True,
+                    out=acc[k * splits : (k + 1) * splits] if locks is None else acc, locks=locks)
+    return (merge_splits(acc) if locks is None else acc), tmap
 
 
 def convert_width(V: int, D: int, block_v: int, elem: int, max_bytes: int) -> int:
@@ -122,19 +129,22 @@ def converted_classifier(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return convert_rows(c, 0, V, None, torch.empty((V, D), dtype=dtype, device=c.device))
 
 
-def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_local=False):
+def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_local=False, out=None, locks=None):
     """One launch of the LSE kernel over all of ``c``'s rows (walked in the order ``perm`` when
     given; with ``c_local``, C's row p holds the walked position p); records the map into ``q``
-    when given. Returns the (n_rows,) fp32 LSE."""
+    when given. Returns the (n_rows,) fp32 LSE; or, given ``out`` (``merge="buffer"``: at least the
+    launch's splits x n_rows partial LSEs, its first rows written; ``"lock"``: the (n_rows,) result
+    merged into, with its ``locks``), None: the caller merges."""
     n_rows = rows.n
     V = perm.shape[0] if perm is not None else c.shape[0]
     dev = e.device
     n_tiles = cdiv(V, variant.block_v)
     num_splits = lse_splits(n_tiles, variant.num_splits)
+    given = out is not None
     if variant.merge == "buffer":
-        out = torch.empty((num_splits, n_rows), dtype=torch.float32, device=dev)
+        out = torch.empty((num_splits, n_rows), dtype=torch.float32, device=dev) if out is None else out
         locks = out  # unused
-    else:
+    elif out is None:
         out = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
         locks = torch.zeros(variant.num_locks, dtype=torch.int32, device=dev)
     record = q is not None
@@ -155,6 +165,8 @@ def _lse_launch(e, c, bias, rows: RowLayout, softcap, variant, perm, zt, q, c_lo
         GROUP_B=variant.group_b, NUM_LOCKS=variant.num_locks,
         num_warps=variant.num_warps, num_stages=variant.num_stages,
     )
+    if given:
+        return None
     if variant.merge == "lock":
         return out
     return out[0] if num_splits == 1 else merge_splits(out)
