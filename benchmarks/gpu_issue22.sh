@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 22 (speed in the user's loop) on one H200. Phases ($PHASES, default "tests lm mixed train"):
-#   tests: the CUDA tests of what changed;
+#   tests: the CUDA tests of what changed (the launcher's series, the map's and the fingerprint's kernels too);
 #   lm:    the head's fw+bw side by side with PyTorch, Apple's CCE and Liger (carry .whl:
 #          ../shared/tools/device-wheels cut-cross-entropy==25.1.1 liger-kernel==0.8.5) on LM-like data,
 #          every mode of ours ($LM_SHAPES, $METHODS);
@@ -28,7 +28,8 @@ for phase in ${PHASES:-tests lm mixed train}; do
   tests)
     X=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
     timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider $X tests/test_loss.py tests/test_loss_terms.py tests/test_errors.py \
-      tests/test_determinism.py tests/test_planner.py tests/test_compile.py tests/test_variants.py tests/test_sweep.py > "$OUT/pytest_gpu.txt" 2>&1
+      tests/test_determinism.py tests/test_planner.py tests/test_compile.py tests/test_variants.py tests/test_sweep.py \
+      tests/test_launch.py tests/test_tile_map.py tests/test_accuracy.py > "$OUT/pytest_gpu.txt" 2>&1
     echo "pytest rc $?"; tail -1 "$OUT/pytest_gpu.txt" ;;
   lm)
     M=${METHODS:-torch,cce_autotune,cce_autotune_exact,cce_autotune_deterministic,cce_autotune_unlimited,$PEERS}
