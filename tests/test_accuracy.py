@@ -671,3 +671,7 @@ def test_the_fingerprint_on_the_device_is_its_definition(V, dtype, device):
         assert held.dtype == torch.bool and held.dim() == 0
         assert bool(held) == _alike(then, now) == alike, (part, scale)
     assert not bool(fingerprint_held(ev, sample, Fingerprint((), (), 0.0, None))[1])  # no device values: not alike
+    empty = Evidence(e=e, c=c, bias=None, rows=rows[:0], targets=None, lse=lse[:0], softcap=None,
+                     tile_map=TileMap(q=tmap.q[:, :0], block_v=16, perm=tmap.perm, zt=zt[:0]), coef_s=None, coef_t=None)
+    none = fingerprint_tensor(empty, sample)  # (no rows: the probes alone, nothing read past the rows)
+    assert torch.equal(none[:k], values[:k]) and not bool(none[k:].any())

@@ -534,7 +534,7 @@ def _fingerprint_launch(ev: Evidence, sample: int, then: Fingerprint | None) -> 
     directions, probe_rows = _probes(D, V, dev)
     idx = _sample(ev.rows.shape[0], sample, dev)
     e2 = e.reshape(-1, D)
-    kc, S = probe_rows.numel(), idx.numel()
+    kc, S = probe_rows.numel(), idx.numel() if ev.rows.shape[0] else 0  # (no rows: nothing sampled, nothing read)
     P = cdiv(D, FINGERPRINT_BLOCK_D)
     parts = torch.empty((P, 2 * PROBES), dtype=torch.float32, device=dev)
     load_utility("fingerprint.py.j2", "cce_fingerprint_parts_kernel")[(P,)](
