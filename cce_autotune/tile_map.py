@@ -81,7 +81,7 @@ def measure(tmap: TileMap, lse: torch.Tensor, filter_eps: float, V: int, block_b
     TF, n = q.shape
     dev = q.device
     R, TB = cdiv(n, block_b), cdiv(V, block_v)
-    live = torch.zeros((R, TB), dtype=torch.uint8, device=dev)
+    live = torch.empty((R, TB), dtype=torch.uint8, device=dev)  # (the kernel writes every entry)
     if R == 0 or TB == 0:
         return live.view(torch.bool), torch.zeros((), dtype=torch.float32, device=dev)
     shared = block_v < tmap.block_v  # (a forward tile holds several backward tiles)

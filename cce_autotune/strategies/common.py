@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._lazy import torch, triton  # (imported on first use: see cce_autotune._lazy)
+from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import Flags, interpreting, load_utility
 from ..launch import cdiv, next_power_of_2
 
