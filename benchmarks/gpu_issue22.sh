@@ -29,7 +29,7 @@ for phase in ${PHASES:-tests lm mixed train}; do
     X=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
     timeout ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider $X tests/test_loss.py tests/test_loss_terms.py tests/test_errors.py \
       tests/test_determinism.py tests/test_planner.py tests/test_compile.py tests/test_variants.py tests/test_sweep.py \
-      tests/test_launch.py tests/test_tile_map.py tests/test_accuracy.py > "$OUT/pytest_gpu.txt" 2>&1
+      tests/test_launch.py tests/test_tile_map.py tests/test_accuracy.py tests/test_replay.py > "$OUT/pytest_gpu.txt" 2>&1
     echo "pytest rc $?"; tail -1 "$OUT/pytest_gpu.txt" ;;
   lm)
     M=${METHODS:-torch,cce_autotune,cce_autotune_exact,cce_autotune_deterministic,cce_autotune_unlimited,$PEERS}

@@ -25,7 +25,7 @@ until the loop drops it.
 
 from __future__ import annotations
 
-__all__ = ["Launcher", "Series", "direct_launches", "cdiv", "next_power_of_2"]
+__all__ = ["Launcher", "Series", "direct_launches", "launch_hooked", "cdiv", "next_power_of_2"]
 
 _state = {"direct": True}  # False once Triton's internals were not as expected (or a test turns it off)
 
@@ -75,6 +75,16 @@ def _holds_hooks(hook) -> bool:
     """Whether a launch hook is set: a function, or a chain of them (Triton's ``HookChain``, empty by
     default) that holds one."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch_hooked() -> bool:
+    """Whether Triton has a launch hook set (a profiler's): then every launch goes through Triton's own
+    path, which calls it (True also where Triton's settings are not as expected)."""
+    try:
+        knobs = _triton()[0]
+        return _holds_hooks(knobs.runtime.launch_enter_hook) or _holds_hooks(knobs.runtime.launch_exit_hook)
+    except (ImportError, AttributeError):
+        return True
 
 
 class Launcher:

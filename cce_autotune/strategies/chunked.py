@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
+from .. import replay
 from .._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from ..codegen import load_kernel, load_utility
 from ..launch import cdiv, next_power_of_2
@@ -321,7 +323,6 @@ class Chunked(Strategy):
         # summed from each chunk's g instead.
         dbias_k = torch.zeros(V, dtype=torch.float32, device=dev) if bias is not None and deterministic else dbias
         W = min(plan.chunk_v or variant.chunk_v, V)
-        n_chunks = cdiv(V, W)
         if n > 0:
             use_live = live is not None
             # A classifier wider than e: each chunk's rows converted to e's dtype once (see lse_forward),
@@ -345,7 +346,6 @@ class Chunked(Strategy):
                                  dead_unwritten=use_live and unread,
                                  c_local=c_buf is not None, live_mass=mass is not None,
                                  e_desc=e_descs[0] is not None, c_desc=c_desc is not None)
-            kernel = load_kernel(variant, kernel_flags).series()  # (a launch per chunk: see launch.Series)
             # Rows of E that no problem row reads (shift, ignored rows) keep a zero gradient row in g.
             g_rows = max(grp.span for grp in groups)
             g_buf = (torch.zeros if n < N else torch.empty)((g_rows, W), dtype=e.dtype, device=dev)
@@ -367,62 +367,15 @@ class Chunked(Strategy):
             # ... and its rows of E, of the dE accumulator and of g, for the products.
             views = [(e2[gr.first : gr.first + gr.span], acc[gr.first : gr.first + gr.span], g_buf[: gr.span])
                      for gr in groups]
-            # Products by live tile: the lists once a call, from the live grid (on the device).
-            products = _TileProducts(variant, kernel_flags, live, W, plan.row_group) if plan.tile_products else None
-            for k in range(n_chunks):
-                lo = k * W
-                w = min(W, V - lo)
-                todo = [j for j in range(len(groups)) if chunks is None or chunks[k * len(groups) + j]]
-                if not todo:  # no live tile: every gradient of the chunk is negligible
-                    if zeros_by_kernel:
-                        products.run(k, 0, groups[0].n, lo, views[0][2][:, :w], c_read, perm, acc, views[0][0], dc,
-                                     out_local=False, accumulate=False, de=False)
-                    continue
-                chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None  # (into c_buf)
-                c_arg = c if chunk is None else chunk
-                # (tile products read C's rows and write dC's through the order: nothing gathered, but a
-                # sum over row groups, or a deterministic dbias, scattered)
-                gathers = products is None or dc_part is not None or (deterministic and dbias is not None)
-                cols = perm[lo : lo + w].long() if perm is not None and gathers else None
-                c_k = None if products is not None else \
-                    chunk if chunk is not None else (c[lo : lo + w] if cols is None else c[cols])
-                if dc_part is not None and products is None:  # (the first group's tile products write it)
-                    dc_part[:w].zero_()
-                for j in todo:
-                    grp = groups[j]
-                    grid = (cdiv(grp.n, variant.block_b) * cdiv(w, variant.block_v),)
-                    head, mass_g = per_group[j]
-                    kernel[grid](*head, lo, w, *mass_g, **constants)
-                    if grp.holes is not None:
-                        g_buf.index_fill_(0, grp.holes, 0)  # rows another group wrote, not this group's
-                    e_rows, acc_g, g = views[j]
-                    if w != W:
-                        g = g[:, :w]
-                    if products is not None:  # over the live tiles: dE += g C[chunk], dC[chunk] (+)= g^T E
-                        products.run(k, j, grp.n, lo, g, c_arg, perm, acc_g, e_rows,
-                                     dc if dc_part is None else dc_part, out_local=dc_part is not None,
-                                     accumulate=dc_part is not None and j != todo[0])
-                    else:
-                        add_matmul(acc_g, g, c_k)
-                        if dc_part is not None:
-                            add_matmul_fp32(dc_part[:w], g.T, e_rows)
-                        elif cols is None:
-                            mm_out(g.T, e_rows, dc[lo : lo + w])
-                        else:
-                            part = torch.empty((w, D), dtype=dc.dtype, device=dev)
-                            mm_out(g.T, e_rows, part)
-                            dc[cols] = part
-                    if deterministic and dbias is not None:
-                        part_b = g.sum(0, dtype=torch.float32)
-                        if cols is None:
-                            dbias[lo : lo + w] += part_b
-                        else:
-                            dbias[cols] += part_b
-                if dc_part is not None:
-                    if cols is None:
-                        dc[lo : lo + w] = dc_part[:w]
-                    else:
-                        dc[cols] = dc_part[:w].to(dc.dtype)
+            loop = _Chunks(variant, kernel_flags, V, W, groups, chunks, per_group, constants, views, g_buf, acc, c,
+                           c_buf, c_read, perm, dc, dc_part, dbias, deterministic, zeros_by_kernel,
+                           live if plan.tile_products else None, plan.row_group)
+            if plan.tile_products:
+                # (a loop of launches alone, two a chunk: replayed as a CUDA graph where replays are on and
+                # its arguments were seen before; see cce_autotune.replay)
+                replay.run(_run_chunks, loop)
+            else:
+                _run_chunks(loop)
         if coef_out is not None and n > 0:  # target terms of rows whose target tile is dead
             add_target_terms(c, e2, rows, targets, coef_out, tile_map.zt, softcap, acc, dc, dbias)
         if dead_dir is not None and n > 0:
@@ -436,6 +389,105 @@ class Chunked(Strategy):
         if dbias is not None:
             dbias = dbias.to(bias.dtype)
         return de, dc, dbias
+
+
+@dataclass
+class _Chunks:
+    """Everything the chunk loop of :meth:`Chunked.run` launches from (the call's tensors, views of them,
+    the gradient kernel's arguments of each row group, the sizes): a loop of this and nothing else,
+    which :mod:`cce_autotune.replay` may capture and replay. ``tile_live``: the live grid, where the
+    products go by live tile (else None: cuBLAS's)."""
+
+    variant: Any
+    kernel_flags: Any
+    V: int
+    W: int
+    groups: list
+    chunks: Any
+    per_group: list
+    constants: dict
+    views: list
+    g_buf: Any
+    acc: Any
+    c: Any
+    c_buf: Any
+    c_read: Any
+    perm: Any
+    dc: Any
+    dc_part: Any
+    dbias: Any
+    deterministic: bool
+    zeros_by_kernel: bool
+    tile_live: Any
+    row_group: int
+
+
+def _run_chunks(loop: _Chunks) -> None:
+    """The chunk loop of :meth:`Chunked.run` (see there): per chunk and live row group, the gradient
+    kernel into g, then dE's and dC's products (by live tile, or cuBLAS's)."""
+    variant, V, W, groups, chunks = loop.variant, loop.V, loop.W, loop.groups, loop.chunks
+    per_group, constants, views, g_buf, acc, c = loop.per_group, loop.constants, loop.views, loop.g_buf, loop.acc, loop.c
+    c_buf, c_read, perm, dc, dc_part, dbias = loop.c_buf, loop.c_read, loop.perm, loop.dc, loop.dc_part, loop.dbias
+    deterministic, zeros_by_kernel = loop.deterministic, loop.zeros_by_kernel
+    D, dev = c.shape[1], c.device
+    kernel = load_kernel(variant, loop.kernel_flags).series()  # (a launch per chunk: see launch.Series)
+    # Products by live tile: the lists once a call, from the live grid (on the device).
+    products = None if loop.tile_live is None else \
+        _TileProducts(variant, loop.kernel_flags, loop.tile_live, W, loop.row_group)
+    for k in range(cdiv(V, W)):
+        lo = k * W
+        w = min(W, V - lo)
+        todo = [j for j in range(len(groups)) if chunks is None or chunks[k * len(groups) + j]]
+        if not todo:  # no live tile: every gradient of the chunk is negligible
+            if zeros_by_kernel:
+                products.run(k, 0, groups[0].n, lo, views[0][2][:, :w], c_read, perm, acc, views[0][0], dc,
+                             out_local=False, accumulate=False, de=False)
+            continue
+        chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None  # (into c_buf)
+        c_arg = c if chunk is None else chunk
+        # (tile products read C's rows and write dC's through the order: nothing gathered, but a
+        # sum over row groups, or a deterministic dbias, scattered)
+        gathers = products is None or dc_part is not None or (deterministic and dbias is not None)
+        cols = perm[lo : lo + w].long() if perm is not None and gathers else None
+        c_k = None if products is not None else \
+            chunk if chunk is not None else (c[lo : lo + w] if cols is None else c[cols])
+        if dc_part is not None and products is None:  # (the first group's tile products write it)
+            dc_part[:w].zero_()
+        for j in todo:
+            grp = groups[j]
+            grid = (cdiv(grp.n, variant.block_b) * cdiv(w, variant.block_v),)
+            head, mass_g = per_group[j]
+            kernel[grid](*head, lo, w, *mass_g, **constants)
+            if grp.holes is not None:
+                g_buf.index_fill_(0, grp.holes, 0)  # rows another group wrote, not this group's
+            e_rows, acc_g, g = views[j]
+            if w != W:
+                g = g[:, :w]
+            if products is not None:  # over the live tiles: dE += g C[chunk], dC[chunk] (+)= g^T E
+                products.run(k, j, grp.n, lo, g, c_arg, perm, acc_g, e_rows,
+                             dc if dc_part is None else dc_part, out_local=dc_part is not None,
+                             accumulate=dc_part is not None and j != todo[0])
+            else:
+                add_matmul(acc_g, g, c_k)
+                if dc_part is not None:
+                    add_matmul_fp32(dc_part[:w], g.T, e_rows)
+                elif cols is None:
+                    mm_out(g.T, e_rows, dc[lo : lo + w])
+                else:
+                    part = torch.empty((w, D), dtype=dc.dtype, device=dev)
+                    mm_out(g.T, e_rows, part)
+                    dc[cols] = part
+            if deterministic and dbias is not None:
+                part_b = g.sum(0, dtype=torch.float32)
+                if cols is None:
+                    dbias[lo : lo + w] += part_b
+                else:
+                    dbias[cols] += part_b
+        if dc_part is not None:
+            if cols is None:
+                dc[lo : lo + w] = dc_part[:w]
+            else:
+                dc[cols] = dc_part[:w].to(dc.dtype)
 
 
 class _TileProducts:

@@ -1,0 +1,259 @@
+"""Loops replayed as CUDA graphs while their arguments hold (cce_autotune.replay): what a key tells
+apart, when a loop is captured and replayed (against a stand-in for the capture, on the CPU), that the
+chunked strategy's loop runs from its argument alone and gives the same bits when run again, and on a
+GPU that replayed calls give the eager gradients."""
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cce_autotune import linear_cross_entropy, memory, replay
+from cce_autotune.codegen import Flags
+from cce_autotune.planning import filters
+from cce_autotune.strategies import chunked
+from helpers import make_inputs
+from test_loss import prime_order
+from test_planner import _force
+from test_tile_map import MAPPED
+
+
+@dataclass
+class Desc:  # (a TMA descriptor's fields, as Triton's host-side TensorDescriptor has them)
+    base: object
+    shape: list
+    strides: list
+    block_shape: list
+    padding: str = "zero"
+
+
+def test_a_key_tells_apart_what_a_launch_tells_apart():
+    d = replay.describe
+    assert d((1, 2.5, "x", None)) == d((1, 2.5, "x", None))
+    # (Triton specializes 1 and True apart, and passes 0.0 and -0.0 as different bits)
+    assert len({d(1), d(True), d(1.0)}) == 3 and d(0.0) != d(-0.0)
+    t = torch.zeros(4, 6)
+    assert d(t) == d(t) == d(t.view(4, 6)) and d(t) != d(t.clone())  # (another address)
+    assert d(t[1:]) != d(t[:3])  # (same shape, another address)
+    assert d(t.T) != d(t.view(6, 4))  # (same address and shape, other strides)
+    assert d(t.view(torch.int32)) != d(t)  # (other dtype)
+    assert d(torch.Size([4, 6])) == d(torch.Size([4, 6])) != d(torch.Size([6, 4]))
+    assert d({"BLOCK": 16}) != d({"BLOCK": 32})
+    assert d(Flags(has_bias=True)) == d(Flags(has_bias=True)) != d(Flags())
+    assert d(Desc(t, [4, 6], [6, 1], [2, 2])) != d(Desc(t, [4, 6], [6, 1], [4, 2]))
+    assert d(torch.float32) != d(torch.bfloat16)
+    with pytest.raises(replay.Undescribed):
+        d([1, object()])
+
+
+class Captures:
+    """Stands in for the CUDA capture: a graph that, replayed, runs the loop on the arguments it was
+    captured with (a CUDA graph launches the captured kernels on the captured addresses); counts
+    captures and replays. ``fail``: the capture raises it."""
+
+    def __init__(self, fail=None):
+        self.captured = self.replayed = 0
+        self.fail = fail
+
+    def capture(self, fn, args):
+        if self.fail is not None:
+            raise self.fail
+        self.captured += 1
+        outer = self
+
+        class Graph:
+            def replay(self):
+                outer.replayed += 1
+                fn(*args)
+
+        return Graph()
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    c = Captures()
+    monkeypatch.setattr(replay, "_capture", c.capture)
+    monkeypatch.setattr(replay, "_replayable", lambda args: True)
+    monkeypatch.setattr(replay, "_sites", {})
+    monkeypatch.setitem(replay._state, "on", True)
+    return c
+
+
+def _loop(out, n):  # (a module-level loop: what a replayed loop must be)
+    for _ in range(n):
+        out.add_(1)
+
+
+def test_a_loop_seen_again_is_captured_then_replayed(captures):
+    out, other = torch.zeros(3), torch.zeros(3)
+    replay.run(_loop, out, 2)  # first seen: as it is
+    assert (captures.captured, captures.replayed) == (0, 0) and out.tolist() == [2, 2, 2]
+    replay.run(_loop, out, 2)  # again: captured (nothing runs while captured), replayed
+    assert (captures.captured, captures.replayed) == (1, 1) and out.tolist() == [4, 4, 4]
+    replay.run(_loop, out, 2)
+    assert (captures.captured, captures.replayed) == (1, 2) and out.tolist() == [6, 6, 6]
+    replay.run(_loop, out, 3)  # another argument: a key of its own, as it is
+    replay.run(_loop, other, 2)  # another tensor
+    assert (captures.captured, captures.replayed) == (1, 2)
+    assert out.tolist() == [9, 9, 9] and other.tolist() == [2, 2, 2]
+
+
+def test_a_site_remembers_its_last_keys_and_keeps_its_last_graphs(captures):
+    bufs = [torch.zeros(1) for _ in range(replay.SEEN + 1)]
+    for b in bufs:
+        replay.run(_loop, b, 1)
+    replay.run(_loop, bufs[0], 1)  # (forgotten: SEEN others came since) as it is, seen again
+    assert captures.captured == 0
+    newest = bufs[-(replay.KEPT + 1):]
+    for b in reversed(newest):
+        replay.run(_loop, b, 1)  # seen before: captured
+    assert captures.captured == replay.KEPT + 1
+    assert len(replay._sites[_loop].graphs) == replay.KEPT  # the oldest graph let go
+    replay.run(_loop, newest[-1], 1)  # (its graph went, and it counts as seen no more: as it is)
+    assert captures.captured == replay.KEPT + 1
+    assert bufs[0].item() == 2 and newest[-1].item() == 3 and newest[0].item() == 2
+
+
+def test_a_failed_capture_runs_the_loop_and_turns_replays_off(captures):
+    captures.fail = RuntimeError("operation not permitted when stream is capturing")
+    out = torch.zeros(2)
+    replay.run(_loop, out, 1)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        replay.run(_loop, out, 1)
+    assert out.tolist() == [2, 2] and not replay.replays() and replay._sites == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replay.run(_loop, out, 1)  # (off: as it is, no warning)
+    assert out.tolist() == [3, 3]
+
+
+def test_an_argument_without_a_key_runs_as_it_is(captures):
+    out = torch.zeros(1)
+    for _ in range(3):
+        replay.run(lambda o, x: o.add_(1), out, object())
+    assert out.item() == 3 and captures.captured == 0
+
+
+def test_a_closure_is_refused():
+    k = 2
+
+    def closure(out):
+        out.add_(k)
+
+    with pytest.raises(ValueError, match="closure"):
+        replay.run(closure, torch.zeros(1))
+
+
+def test_off_by_default_and_never_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(replay, "_state", {})
+    monkeypatch.delenv(replay.ENV_REPLAY, raising=False)
+    assert not replay.replays()
+    monkeypatch.setattr(replay, "_state", {})
+    monkeypatch.setenv(replay.ENV_REPLAY, "1")
+    assert replay.replays()
+    monkeypatch.setattr(replay, "_sites", {})
+    out = torch.zeros(1)
+    for _ in range(3):
+        replay.run(_loop, out, 1)  # (CPU tensors: as they are, nothing remembered)
+    assert out.item() == 3 and replay._sites == {}
+
+
+def _tensors(x, out=None) -> list:
+    """The tensors among ``x``'s fields (in tuples, lists, dicts and dataclasses), each once."""
+    from dataclasses import fields, is_dataclass
+
+    out = [] if out is None else out
+    if isinstance(x, torch.Tensor):
+        if not any(y is x for y in out):
+            out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _tensors(y, out)
+    elif isinstance(x, dict):
+        _tensors(list(x.values()), out)
+    elif is_dataclass(x) and not isinstance(x, type):
+        _tensors([getattr(x, f.name) for f in fields(x)], out)
+    return out
+
+
+def _index(state: list, x) -> int:
+    return next(i for i, y in enumerate(state) if y is x)
+
+
+@pytest.mark.parametrize("groups", [0, 32], ids=["one row group", "row groups"])
+def test_the_chunk_loop_runs_from_its_argument_alone(groups, device, monkeypatch, set_costs):
+    # What a replay relies on: the chunked strategy's loop with products by live tile launches from its
+    # one argument (every field has a key), and run again on the call's buffers as they were before it
+    # (dE's accumulator zero, dC's and g's unwritten) it gives the same bits: it keeps nothing of an
+    # earlier run (the launch series, the lists) that a replay would not have.
+    set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, pause_share=math.inf, tile_products=0.0,
+              max_dropped=math.inf)
+    e, c, t, b = make_inputs((3, 29), 1000, 45, torch.bfloat16, bias=True, peaked=2.0, device=device)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=128))
+    seen = []
+    real = replay.run
+
+    def recording(fn, *args):
+        (loop,) = args
+        seen.append((fn, replay.describe(args), loop))
+        state = _tensors(loop)
+        before = [x.clone() for x in state]
+        fn(loop)
+        after = [x.clone() for x in state]
+        for x, b in zip(state, before):
+            x.copy_(b)
+        fn(loop)  # (as a replay would: the same launches on the buffers as they were)
+        for x, a in zip(state, after):
+            assert torch.equal(x, a) or torch.allclose(x, a, rtol=1e-6, atol=0)  # (dbias: float atomics)
+        assert torch.equal(loop.acc, after[_index(state, loop.acc)]) and torch.equal(loop.dc, after[_index(state, loop.dc)])
+
+    monkeypatch.setattr(replay, "run", recording)
+    ee, cc, bb = (x.clone().requires_grad_() for x in (e, c, b))
+    prime_order(cc, ee, "sorted")
+    if groups:
+        _force(monkeypatch, chunk=(128, True, groups))  # (rows in groups of 32)
+    linear_cross_entropy(ee, cc, t, bb, impl="triton", variants=kv).backward()
+    assert seen and all(fn is chunked._run_chunks for fn, _, _ in seen)
+    loop = seen[-1][2]
+    assert loop.tile_live is not None and (len(loop.groups) > 1) == bool(groups)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_replayed_calls_give_the_eager_gradients(monkeypatch, set_costs, planned):
+    # A training loop's steady mapped calls with replays on: the chunk loop is captured at its second
+    # call with the same buffers and replayed after; each call's gradients are bit for bit those of
+    # the same call with replays off, also when other rows come at the same storage (their data is
+    # read at the replay; the fingerprint fails on the device and every tile is live).
+    e, c, t, _ = make_inputs((512,), 4096, 256, torch.bfloat16, peaked=2.0, seed=5, device="cuda")
+    flat, _, _, _ = make_inputs((512,), 4096, 256, torch.bfloat16, peaked=0.0, seed=6, device="cuda")
+    monkeypatch.setattr(filters, "MAX_ERROR", 1.0)
+    set_costs(max_dropped=math.inf, pause_share=math.inf, tile_products=0.0)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=256))
+    monkeypatch.setattr(replay, "_sites", {})
+
+    def run(on: bool) -> list:
+        memory.clear()
+        replay.replays(on)
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        prime_order(cc, ee, "sorted")
+        out = []
+        for i in range(8):
+            if i == 6:
+                ee.data.copy_(flat)
+            ee.grad = cc.grad = None
+            linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
+            out.append((ee.grad.clone(), cc.grad.clone(), planned[-1].call.backward.tile_products))
+        return out
+
+    try:
+        eager = run(False)
+        replayed = run(True)
+        graphs = len(replay._sites.get(chunked._run_chunks, replay._Site()).graphs)
+    finally:
+        replay.replays(False)
+    assert graphs >= 1  # (the loop was captured)
+    assert sum(tp for _, _, tp in replayed) >= 4
+    for (de0, dc0, _), (de1, dc1, _) in zip(eager, replayed):
+        assert torch.equal(de0, de1) and torch.equal(dc0, dc1)
