@@ -5,7 +5,8 @@ for each shape: one cuBLAS E·Cᵀ (the floor; rows padded to 16 bytes), PyTorch
 dispatched (steady state: the same classifier every call, as in training, so the remembered vocabulary
 order and the tile map are used), as dispatched but with every call a first call (``cce_autotune_cold``),
 with the built-in default variants, in exact mode, without a memory budget (``cce_autotune_unlimited``),
-and - when importable - Apple's
+with its loops replayed as CUDA graphs (``cce_autotune_replayed``: :mod:`cce_autotune.replay`, off by
+default), and - when importable - Apple's
 ``cut-cross-entropy`` (CCE and exact) and ``liger-kernel``'s fused linear cross-entropy. For each it
 records forward and forward+backward median times (triton.testing.do_bench, which flushes L2 between
 repetitions; the forward with gradients required, as a training step runs it: a plan that forms the
@@ -50,6 +51,7 @@ Hugging Face models of those families instead, unpatched, patched and with Liger
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import gc
@@ -64,7 +66,7 @@ from typing import Callable
 import torch
 import yaml
 
-from . import memory
+from . import memory, replay
 from .api import linear_cross_entropy
 from .bench_hf import HF_METHODS, resolve_hf, run_hf_train
 from .configdb import dispatch
@@ -218,6 +220,7 @@ class Method:
     loss: Callable  # (e, c, targets) -> scalar loss
     fused_backward: bool = False  # computes gradients inside the forward (liger)
     classifier_dtype: torch.dtype | None = None  # its classifier leaf's dtype, if not the run's
+    setting: Callable | None = None  # a context manager (factory) its calls run under, forward and backward
 
 
 def _mixed_methods(methods: list[Method], dtype: torch.dtype, softcap: float | None = None) -> list[Method]:
@@ -307,6 +310,17 @@ def _knob_methods(knobs: dict, softcap: float | None) -> list[Method]:
             method("cce_autotune_exact_knobs", True, filter_eps=None)]
 
 
+@contextlib.contextmanager
+def _replays_on():
+    """Loops replayed as CUDA graphs within (see :mod:`cce_autotune.replay`), as before after."""
+    was = replay.replays()
+    replay.replays(True)
+    try:
+        yield
+    finally:
+        replay.replays(was)
+
+
 def _methods(include_peers: bool, softcap: float | None = None) -> list[Method]:
     """The methods of a run, each computing the loss with ``softcap`` (None: plain logits)."""
     sc = softcap
@@ -325,6 +339,8 @@ def _methods(include_peers: bool, softcap: float | None = None) -> list[Method]:
         Method("cce_autotune_unlimited", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc, max_extra_memory=None)),
         # A mixed-precision loop's call: the fp32 master classifier, under autocast (16-bit e).
         Method("cce_autotune_fp32_classifier", lambda e, c, t: _autocast_ours(e, c, t, sc), classifier_dtype=torch.float32),
+        # The default call with loops replayed as CUDA graphs (cce_autotune.replay; off by default).
+        Method("cce_autotune_replayed", lambda e, c, t: linear_cross_entropy(e, c, t, softcap=sc), setting=_replays_on),
     ]
     if not include_peers:
         return ms
@@ -391,6 +407,8 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_o
     del c16
     log(f"{name} {data}: matmul {med:.2f} ms")
     for m in methods:
+        setting = m.setting() if m.setting is not None else contextlib.nullcontext()
+        setting.__enter__()
         try:
             ee = e.detach().clone().requires_grad_()
             cc = c.detach().to(m.classifier_dtype or c.dtype).clone().requires_grad_()
@@ -429,6 +447,8 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_o
             del ee, cc, loss
         except Exception as exc:  # a peer failing must not stop the others
             log(f"{name} {data}: {m.name} FAILED: {exc!r}")
+        finally:
+            setting.__exit__(None, None, None)
         gc.collect()
         torch.cuda.empty_cache()
     del e, c, t, ref_de, ref_dc
@@ -486,6 +506,8 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
             return m.loss(h.to(dt), model.lm_head.weight.to(dt), y.flatten())
 
         for pass_name, timed in modes:
+            setting = m.setting() if m.setting is not None else contextlib.nullcontext()
+            setting.__enter__()
             try:
                 model.load_state_dict(init)
                 model.zero_grad(set_to_none=True)
@@ -502,6 +524,8 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
                 del opt
             except Exception as exc:  # a peer failing (or one that cannot be captured) must not stop the others
                 log(f"{name} real: {m.name} {pass_name} FAILED: {exc!r}")
+            finally:
+                setting.__exit__(None, None, None)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
