@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 22 (speed in the user's loop) on one H200. Phases ($PHASES, default "tests lm mixed train"):
-#   tests: the CUDA tests of what changed (the launcher's series, the map's and the fingerprint's kernels too);
+#   tests: the CUDA tests of what changed (the launcher's series, the map's and the fingerprint's kernels, the
+#          chunk loop replayed as a CUDA graph too);
 #   lm:    the head's fw+bw side by side with PyTorch, Apple's CCE and Liger (carry .whl:
 #          ../shared/tools/device-wheels cut-cross-entropy==25.1.1 liger-kernel==0.8.5) on LM-like data,
 #          every mode of ours ($LM_SHAPES, $METHODS);
@@ -9,7 +10,8 @@
 #   hf:    whole steps of Hugging Face models built from configs ($HF_FAMILIES, default llama,qwen3,gemma2),
 #          unpatched, patched and with Liger's patch (carry transformers: --deps transformers==5.24.0);
 #   grid:  `cce-bench --grid` on $GRID_DATA (default lm,sampled) at $GRID_SHAPES (default: every head), every
-#          mode and the peers (the whole grid takes about 15 minutes on an H200: split it over two runs).
+#          mode and the peers (the whole grid takes about 15 minutes on an H200: split it over two runs);
+#          $GRID_METHODS names other methods (cce_autotune_replayed: loops replayed as CUDA graphs).
 #   knobs: an A/B of kernel knobs in one run ($KNOBS, default an example:
 #          lse_forward.num_splits=8,backward.chunk_v=2048): ours as dispatched and in exact mode, with the
 #          configs' variants and with the knobs changed, at $KNOB_SHAPES on LM-like data.
@@ -52,7 +54,7 @@ for phase in ${PHASES:-tests lm mixed train}; do
     echo "== bench hf rc $?"; grep -E "train_step|hf" "$OUT/bench_hf.txt" | head -20 ;;
   grid)
     timeout ${GRID_S:-540} python3 -m cce_autotune.bench --grid --out "$OUT" --tag ${GRID_TAG:-grid} --data ${GRID_DATA:-lm,sampled} \
-      ${GRID_SHAPES:+--shapes $GRID_SHAPES} --reps ${REPS:-20} > "$OUT/bench_grid.txt" 2>&1
+      ${GRID_SHAPES:+--shapes $GRID_SHAPES} ${GRID_METHODS:+--methods $GRID_METHODS} --reps ${REPS:-20} > "$OUT/bench_grid.txt" 2>&1
     echo "== bench grid rc $? (the CSV holds every head that finished)"; grep -E "fw\+bw" "$OUT/bench_grid.txt" | cut -c1-175 ;;
   knobs)
     timeout ${KNOB_S:-400} python3 -m cce_autotune.bench --grid --out "$OUT" --tag knobs --data lm \
