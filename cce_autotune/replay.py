@@ -10,9 +10,11 @@ arguments were the same: the same tensors (address, dtype, shape, strides, devic
 of them, numbers of the same type and bits, strings, dtypes, and dataclasses of these, compared
 field by field (:func:`describe`). A replay launches the kernels the captured call launched, with the
 same arguments: ``fn`` must launch nothing that its arguments do not determine (a module-level
-function, not a closure; nothing read back to the host) and allocate nothing a caller reads
-afterwards (what it allocates while captured lives in the graph's own memory, reused by each
-replay). The data the kernels read is read at the replay: only the arguments are remembered.
+function, not a closure; nothing read back to the host) and allocate little, and nothing a caller
+reads afterwards: what it allocates while captured lives in the graph's own memory, reused by each
+replay and held while the graph is kept (a loop whose temporaries are large, cuBLAS's products on a
+gathered chunk of C, is not one to replay). The data the kernels read is read at the replay: only
+the arguments are remembered.
 
 When. A call whose arguments were seen among the site's last :data:`SEEN` calls is captured (on a
 side stream, nothing run while captured) and replayed; a site keeps its :data:`KEPT` most recent
