@@ -13,8 +13,11 @@ same arguments: ``fn`` must launch nothing that its arguments do not determine (
 function, not a closure; nothing read back to the host) and allocate little, and nothing a caller
 reads afterwards: what it allocates while captured lives in the graph's own memory, reused by each
 replay and held while the graph is kept (a loop whose temporaries are large, cuBLAS's products on a
-gathered chunk of C, is not one to replay). The data the kernels read is read at the replay: only
-the arguments are remembered.
+gathered chunk of C, is not one to replay). Nor a loop that calls cuBLAS: PyTorch keys cuBLAS's
+workspaces by stream, and letting go of one graph captured on a stream can free the workspace that
+another graph captured on it still uses (pytorch/pytorch#193402, an illegal address at its replay);
+the replayed loops launch Triton's kernels alone. The data the kernels read is read at the replay:
+only the arguments are remembered.
 
 When. A call whose arguments were seen among the site's last :data:`SEEN` calls is captured (on a
 side stream, nothing run while captured) and replayed; a site keeps its :data:`KEPT` most recent
