@@ -156,13 +156,14 @@ def _replayable(args) -> bool:
 
 
 def _device(args):
-    """The device of the first tensor among ``args`` (looked for in tuples, lists and dataclasses)."""
+    """The device of a tensor among ``args`` (looked for in tuples, lists and dataclasses, the shallowest
+    first), or None."""
     todo = list(args)
     while todo:
         x = todo.pop(0)
         if isinstance(x, torch.Tensor):
             return x.device
-        if type(x) in (tuple, list):
+        if isinstance(x, (tuple, list)):
             todo.extend(x)
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):
             todo.extend(getattr(x, f.name) for f in dataclasses.fields(x))
@@ -170,8 +171,8 @@ def _device(args):
 
 
 def _capture(fn, args):
-    """A CUDA graph of ``fn(*args)``, captured on a side stream of the current device (nothing runs
-    while it is captured); the caller replays it."""
+    """A CUDA graph of ``fn(*args)``, captured on a side stream of the arguments' device (one a device,
+    made once; nothing runs while it is captured); the caller replays it."""
     device = _device(args)
     current = torch.cuda.current_stream(device)
     side = _state.get(("stream", device))

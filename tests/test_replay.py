@@ -6,6 +6,7 @@ GPU that replayed calls give the eager gradients."""
 import math
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,6 +183,113 @@ def _index(state: list, x) -> int:
     return next(i for i, y in enumerate(state) if y is x)
 
 
+class FakeCuda:
+    """``torch.cuda`` as the capture uses it, logging each step: streams, their waits, the current
+    stream, and a graph's capture."""
+
+    def __init__(self):
+        self.log = []
+        self.now = self.default = self.Stream("default")
+
+    def Stream(self, device=None):  # noqa: N802 (torch's name)
+        cuda = self
+
+        class Stream:
+            def __init__(self, name):
+                self.name = name
+                cuda.log.append(("stream", name))
+
+            def wait_stream(self, other):
+                cuda.log.append(("wait", self.name, other.name))
+
+        return Stream(device if isinstance(device, str) else f"side of {device}")
+
+    def current_stream(self, device=None):
+        return self.now
+
+    def stream(self, s):
+        cuda = self
+
+        class Within:
+            def __enter__(self):
+                cuda.before, cuda.now = cuda.now, s
+
+            def __exit__(self, *exc):
+                cuda.now = cuda.before
+
+        return Within()
+
+    def CUDAGraph(self):  # noqa: N802
+        cuda = self
+
+        class Graph:
+            def capture_begin(self, capture_error_mode="global"):
+                cuda.log.append(("begin", cuda.now.name, capture_error_mode))
+
+            def capture_end(self):
+                cuda.log.append(("end", cuda.now.name))
+
+        return Graph()
+
+
+def _logging_loop(cuda, out, fail):  # (module-level, as a replayed loop must be)
+    cuda.log.append(("loop", cuda.now.name))
+    if fail:
+        raise RuntimeError("operation not permitted when stream is capturing")
+    out.add_(1)
+
+
+def test_a_capture_waits_then_records_the_loop_on_a_side_stream_and_always_ends(monkeypatch):
+    # The lines of the capture the CPU never reaches otherwise, against a stand-in for torch.cuda: the
+    # side stream (made once a device) waits for the current one before the capture begins ("thread_local"),
+    # the loop runs with it current, the capture ends (also when the loop raises), the current stream
+    # waits for the side one.
+    cuda = FakeCuda()
+    monkeypatch.setattr(replay, "torch", SimpleNamespace(Tensor=torch.Tensor, cuda=cuda))
+    monkeypatch.setattr(replay, "_state", {})
+    out = torch.zeros(1)
+    replay._capture(_logging_loop, (cuda, out, False))
+    replay._capture(_logging_loop, (cuda, out, False))
+    side = "side of cpu"
+    once = [("wait", side, "default"), ("begin", side, "thread_local"), ("loop", side), ("end", side),
+            ("wait", "default", side)]
+    assert cuda.log == [("stream", "default"), ("stream", side)] + once + once
+    assert cuda.now is cuda.default and out.item() == 2  # (the stand-in runs what it records)
+    cuda.log.clear()
+    with pytest.raises(RuntimeError, match="capturing"):
+        replay._capture(_logging_loop, (cuda, out, True))
+    assert cuda.log == [("wait", side, "default"), ("begin", side, "thread_local"), ("loop", side), ("end", side)]
+    assert cuda.now is cuda.default
+
+
+@pytest.mark.parametrize("capturing, hooked, interpreted", [(False, False, False), (True, False, False),
+                                                           (False, True, False), (False, False, True)])
+def test_only_a_gpu_call_outside_a_capture_without_hooks_is_replayable(capturing, hooked, interpreted, monkeypatch):
+    cuda = SimpleNamespace(is_current_stream_capturing=lambda: capturing)
+    monkeypatch.setattr(replay, "torch", SimpleNamespace(Tensor=torch.Tensor, cuda=cuda))
+    monkeypatch.setattr(replay, "_device", lambda args: torch.device("cuda", 0))
+    monkeypatch.setattr(replay, "launch_hooked", lambda: hooked)
+    monkeypatch.setattr(replay, "interpreting", lambda: interpreted)
+    assert replay._replayable(()) == (not (capturing or hooked or interpreted))
+
+
+def test_the_device_is_a_tensors_within_the_arguments():
+    t = torch.zeros(1, device="meta")
+    assert replay._device((1, [None, (Desc(t, [1], [1], [1]),)])) == t.device  # (within a descriptor)
+    assert replay._device((1, [None, (Desc(t, [1], [1], [1]),)], torch.zeros(1))).type == "cpu"  # (the shallowest)
+    assert replay._device((1, "x", [])) is None
+
+
+def test_a_launch_hook_is_seen(monkeypatch):
+    from cce_autotune import launch
+
+    hooks = SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setitem(launch._state, "triton", (SimpleNamespace(runtime=hooks), None))
+    assert not launch.launch_hooked()
+    hooks.launch_exit_hook = lambda metadata: None
+    assert launch.launch_hooked()
+
+
 @pytest.mark.parametrize("groups", [0, 32], ids=["one row group", "row groups"])
 def test_the_chunk_loop_runs_from_its_argument_alone(groups, device, monkeypatch, set_costs):
     # What a replay relies on: the chunked strategy's loop with products by live tile launches from its
@@ -193,7 +301,6 @@ def test_the_chunk_loop_runs_from_its_argument_alone(groups, device, monkeypatch
     e, c, t, b = make_inputs((3, 29), 1000, 45, torch.bfloat16, bias=True, peaked=2.0, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=128))
     seen = []
-    real = replay.run
 
     def recording(fn, *args):
         (loop,) = args
