@@ -41,7 +41,7 @@ from ._lazy import torch  # (imported on first use: see cce_autotune._lazy)
 from .codegen import interpreting
 from .launch import launch_hooked
 
-__all__ = ["run", "replays", "describe", "SEEN", "KEPT", "ENV_REPLAY"]
+__all__ = ["run", "replays", "describe", "Undescribed", "SEEN", "KEPT", "ENV_REPLAY"]
 
 ENV_REPLAY = "CCE_AUTOTUNE_REPLAY"
 SEEN = 8  # the keys a site remembers having run (a key among them is captured when it comes again)
@@ -53,7 +53,7 @@ _sites: dict = {}  # fn -> _Site
 
 def replays(on: bool | None = None) -> bool:
     """Whether loops are replayed as CUDA graphs; ``on`` sets it (for the process). Unset, the
-    environment's ``CCE_AUTOTUNE_REPLAY`` says (off unless ``1``)."""
+    environment's ``CCE_AUTOTUNE_REPLAY`` says (on when set to anything but ``0`` or nothing)."""
     if on is not None:
         _state["on"] = bool(on)
         if not on:
