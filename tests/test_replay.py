@@ -328,39 +328,52 @@ def test_the_chunk_loop_runs_from_its_argument_alone(groups, device, monkeypatch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_replayed_calls_give_the_eager_gradients(monkeypatch, set_costs, planned):
+@pytest.mark.parametrize("case", ["one row group", "row groups", "fp32 classifier, converted chunks"])
+def test_replayed_calls_give_the_eager_gradients(case, monkeypatch, set_costs, planned):
     # A training loop's steady mapped calls with replays on: the chunk loop is captured at its second
     # call with the same buffers and replayed after; each call's gradients are bit for bit those of
     # the same call with replays off, also when other rows come at the same storage (their data is
-    # read at the replay; the fingerprint fails on the device and every tile is live).
+    # read at the replay; the fingerprint fails on the device and every tile is live). In one row
+    # group, in groups of 128 rows (dC summed over them in fp32), and with an fp32 classifier whose
+    # chunks are converted inside the loop.
+    from cce_autotune.planning import planner
+
     e, c, t, _ = make_inputs((512,), 4096, 256, torch.bfloat16, peaked=2.0, seed=5, device="cuda")
     flat, _, _, _ = make_inputs((512,), 4096, 256, torch.bfloat16, peaked=0.0, seed=6, device="cuda")
+    if case.startswith("fp32"):
+        c = c.float()
+        monkeypatch.setattr(planner, "converts_whole", lambda *a: False)
+    if case == "row groups":
+        _force(monkeypatch, chunk=(256, True, 128))
     monkeypatch.setattr(filters, "MAX_ERROR", 1.0)
-    set_costs(max_dropped=math.inf, pause_share=math.inf, tile_products=0.0)
+    set_costs(max_dropped=math.inf, pause_share=math.inf, tile_products=0.0, chunk_ms=0.0, gather_chunk_ms=0.0)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=256))
     monkeypatch.setattr(replay, "_sites", {})
+    monkeypatch.setattr(replay, "_state", {})
 
     def run(on: bool) -> list:
         memory.clear()
         replay.replays(on)
         ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
         prime_order(cc, ee, "sorted")
-        out = []
+        # (the gradients kept in storage made before the loop: each step then allocates as the one
+        # before it, and the allocator gives its buffers the same addresses, as in a training loop)
+        out = [(torch.empty_like(e), torch.empty(c.shape, dtype=c.dtype, device="cuda"), [False]) for _ in range(8)]
         for i in range(8):
             if i == 6:
                 ee.data.copy_(flat)
             ee.grad = cc.grad = None
             linear_cross_entropy(ee, cc, t, impl="triton", variants=kv).backward()
-            out.append((ee.grad.clone(), cc.grad.clone(), planned[-1].call.backward.tile_products))
+            out[i][0].copy_(ee.grad)
+            out[i][1].copy_(cc.grad)
+            out[i][2][0] = planned[-1].call.backward.tile_products
         return out
 
-    try:
-        eager = run(False)
-        replayed = run(True)
-        graphs = len(replay._sites.get(chunked._run_chunks, replay._Site()).graphs)
-    finally:
-        replay.replays(False)
+    eager = run(False)
+    replayed = run(True)
+    graphs = len(replay._sites.get(chunked._run_chunks, replay._Site()).graphs)
+    replay.replays(False)
     assert graphs >= 1  # (the loop was captured)
-    assert sum(tp for _, _, tp in replayed) >= 4
+    assert sum(tp[0] for _, _, tp in replayed) >= 4
     for (de0, dc0, _), (de1, dc1, _) in zip(eager, replayed):
         assert torch.equal(de0, de1) and torch.equal(dc0, dc1)
