@@ -298,8 +298,8 @@ def test_the_chunk_loop_runs_from_its_argument_alone(groups, device, monkeypatch
     # earlier run (the launch series, the lists) that a replay would not have.
     set_costs(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, pause_share=math.inf, tile_products=0.0,
               max_dropped=math.inf)
-    e, c, t, b = make_inputs((3, 29), 1000, 45, torch.bfloat16, bias=True, peaked=2.0, device=device)
-    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=128))
+    e, c, t, b = make_inputs((2, 29), 400, 45, torch.bfloat16, bias=True, peaked=2.0, device=device)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=64))
     seen = []
 
     def recording(fn, *args):
@@ -320,7 +320,7 @@ def test_the_chunk_loop_runs_from_its_argument_alone(groups, device, monkeypatch
     ee, cc, bb = (x.clone().requires_grad_() for x in (e, c, b))
     prime_order(cc, ee, "sorted")
     if groups:
-        _force(monkeypatch, chunk=(128, True, groups))  # (rows in groups of 32)
+        _force(monkeypatch, chunk=(64, True, groups))  # (rows in groups of 32)
     linear_cross_entropy(ee, cc, t, bb, impl="triton", variants=kv).backward()
     assert seen and all(fn is chunked._run_chunks for fn, _, _ in seen)
     loop = seen[-1][2]
