@@ -77,12 +77,16 @@ def _holds_hooks(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _hooked(knobs) -> bool:
+    """Whether Triton's settings hold a launch hook, on entry or on exit."""
+    return _holds_hooks(knobs.runtime.launch_enter_hook) or _holds_hooks(knobs.runtime.launch_exit_hook)
+
+
 def launch_hooked() -> bool:
     """Whether Triton has a launch hook set (a profiler's): then every launch goes through Triton's own
     path, which calls it (True also where Triton's settings are not as expected)."""
     try:
-        knobs = _triton()[0]
-        return _holds_hooks(knobs.runtime.launch_enter_hook) or _holds_hooks(knobs.runtime.launch_exit_hook)
+        return _hooked(_triton()[0])
     except (ImportError, AttributeError):
         return True
 
@@ -117,7 +121,7 @@ class Launcher:
     def _launch(self, grid, args, kw, series: "Series | None" = None):
         try:
             knobs, driver = _triton()
-            hooked = _holds_hooks(knobs.runtime.launch_enter_hook) or _holds_hooks(knobs.runtime.launch_exit_hook)
+            hooked = _hooked(knobs)
             active = driver.active
             device = active.get_current_device()
             found = None if series is None or callable(grid) else series.reuse(args, kw, device)
