@@ -353,22 +353,19 @@ class Chunked(Strategy):
             dc_part = torch.empty((W, D), dtype=torch.float32, device=dev) if len(groups) > 1 else None
             # Each group's arguments of the gradient kernel but the chunk's (its rows of the per-row ones:
             # views), made once: the host's time per launch is this loop's price where many chunks are live.
-            c_arg0 = c if c_buf is None else c_buf  # (the chunk's rows convert into c_buf: its address)
-            c_in = c_arg0 if c_desc is None else c_desc
+            c_in = c_read if c_desc is None else c_desc  # (the chunk's rows convert into c_buf: its address)
             per_group = [(
                 (gr.e if e_descs[j] is None else e_descs[j], c_in, bias if bias is not None else c, rows.offsets[gr.lo:],
                  gr.g_offsets, target_pos[gr.lo:], lse[gr.lo:], coef_s[gr.lo:], coef_t[gr.lo:],
                  perm if perm is not None else target_pos, live[gr.lo // variant.block_b:] if use_live else lse, g_buf,
-                 dbias_k if dbias_k is not None else lse, gr.n, V, D, rows.stride, e.stride(-1), c_arg0.stride(0),
-                 c_arg0.stride(1), g_buf.stride(0), softcap_arg(softcap)),
+                 dbias_k if dbias_k is not None else lse, gr.n, V, D, rows.stride, e.stride(-1), c_read.stride(0),
+                 c_read.stride(1), g_buf.stride(0), softcap_arg(softcap)),
                 () if mass is None else (mass[gr.lo:],)) for j, gr in enumerate(groups)]
-            constants = dict(BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
-                             GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages)
             # ... and its rows of E, of the dE accumulator and of g, for the products.
             views = [(e2[gr.first : gr.first + gr.span], acc[gr.first : gr.first + gr.span], g_buf[: gr.span])
                      for gr in groups]
-            loop = _Chunks(variant, kernel_flags, V, W, groups, chunks, per_group, constants, views, g_buf, acc, c,
-                           c_buf, c_read, perm, dc, dc_part, dbias, deterministic, zeros_by_kernel,
+            loop = _Chunks(variant, kernel_flags, V, W, groups, chunks, per_group, views, g_buf, acc, c,
+                           c_buf, perm, dc, dc_part, dbias, deterministic, zeros_by_kernel,
                            live if plan.tile_products else None, plan.row_group)
             if plan.tile_products:
                 # (a loop of launches alone, two a chunk: replayed as a CUDA graph where replays are on and
@@ -405,13 +402,11 @@ class _Chunks:
     groups: list
     chunks: Any
     per_group: list
-    constants: dict
     views: list
     g_buf: Any
     acc: Any
     c: Any
     c_buf: Any
-    c_read: Any
     perm: Any
     dc: Any
     dc_part: Any
@@ -426,8 +421,11 @@ def _run_chunks(loop: _Chunks) -> None:
     """The chunk loop of :meth:`Chunked.run` (see there): per chunk and live row group, the gradient
     kernel into g, then dE's and dC's products (by live tile, or cuBLAS's)."""
     variant, V, W, groups, chunks = loop.variant, loop.V, loop.W, loop.groups, loop.chunks
-    per_group, constants, views, g_buf, acc, c = loop.per_group, loop.constants, loop.views, loop.g_buf, loop.acc, loop.c
-    c_buf, c_read, perm, dc, dc_part, dbias = loop.c_buf, loop.c_read, loop.perm, loop.dc, loop.dc_part, loop.dbias
+    per_group, views, g_buf, acc, c = loop.per_group, loop.views, loop.g_buf, loop.acc, loop.c
+    c_buf, perm, dc, dc_part, dbias = loop.c_buf, loop.perm, loop.dc, loop.dc_part, loop.dbias
+    c_read = c if c_buf is None else c_buf
+    constants = dict(BLOCK_B=variant.block_b, BLOCK_V=variant.block_v, BLOCK_D=variant.block_d,
+                     GROUP_B=variant.group_b, num_warps=variant.num_warps, num_stages=variant.num_stages)
     deterministic, zeros_by_kernel = loop.deterministic, loop.zeros_by_kernel
     D, dev = c.shape[1], c.device
     kernel = load_kernel(variant, loop.kernel_flags).series()  # (a launch per chunk: see launch.Series)
