@@ -220,7 +220,7 @@ class Method:
     loss: Callable  # (e, c, targets) -> scalar loss
     fused_backward: bool = False  # computes gradients inside the forward (liger)
     classifier_dtype: torch.dtype | None = None  # its classifier leaf's dtype, if not the run's
-    setting: Callable | None = None  # a context manager (factory) its calls run under, forward and backward
+    setting: Callable = contextlib.nullcontext  # the context (a factory) its calls run in, forward and backward
 
 
 def _mixed_methods(methods: list[Method], dtype: torch.dtype, softcap: float | None = None) -> list[Method]:
@@ -407,48 +407,46 @@ def run_shape(name, B, V, D, data, dtype, methods, reps, meta, log=print, data_o
     del c16
     log(f"{name} {data}: matmul {med:.2f} ms")
     for m in methods:
-        setting = m.setting() if m.setting is not None else contextlib.nullcontext()
-        setting.__enter__()
-        try:
-            ee = e.detach().clone().requires_grad_()
-            cc = c.detach().to(m.classifier_dtype or c.dtype).clone().requires_grad_()
-            m.loss(ee, cc, t).backward()  # a first step (what a training loop's later steps reuse)
-            ee.grad = cc.grad = None
-            # Errors of the steady state: the worst of the next ERROR_CALLS calls (the planner's
-            # plan may change from one call to the next, e.g. a mapped probe, then fused calls).
-            err = dict(err_loss=0.0, err_de=0.0, err_dc=0.0)
-            for _ in range(ERROR_CALLS):
-                loss = m.loss(ee, cc, t)
-                loss.backward()
-                now = dict(err_loss=abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
-                           err_de=_rel(ee.grad, ref_de), err_dc=_rel(cc.grad, ref_dc))
-                err = {k: max(err[k], now[k]) for k in err}
+        with m.setting():
+            try:
+                ee = e.detach().clone().requires_grad_()
+                cc = c.detach().to(m.classifier_dtype or c.dtype).clone().requires_grad_()
+                m.loss(ee, cc, t).backward()  # a first step (what a training loop's later steps reuse)
                 ee.grad = cc.grad = None
+                # Errors of the steady state: the worst of the next ERROR_CALLS calls (the planner's
+                # plan may change from one call to the next, e.g. a mapped probe, then fused calls).
+                err = dict(err_loss=0.0, err_de=0.0, err_dc=0.0)
+                for _ in range(ERROR_CALLS):
+                    loss = m.loss(ee, cc, t)
+                    loss.backward()
+                    now = dict(err_loss=abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
+                               err_de=_rel(ee.grad, ref_de), err_dc=_rel(cc.grad, ref_dc))
+                    err = {k: max(err[k], now[k]) for k in err}
+                    ee.grad = cc.grad = None
 
-            def fw():
-                return m.loss(ee, cc, t)
+                def fw():
+                    return m.loss(ee, cc, t)
 
-            def fwbw():
-                m.loss(ee, cc, t).backward()
+                def fwbw():
+                    m.loss(ee, cc, t).backward()
 
-            for pas, fn in (("fw", fw), ("fw+bw", fwbw)):
-                p20, med, p80 = time_ms(fn, grad_to_none=[ee, cc], rep=reps)
-                # (gradients dropped after each call, as an optimiser step's zero_grad(set_to_none) does)
-                mem = peak_extra_mib(lambda: (fn(), setattr(ee, "grad", None), setattr(cc, "grad", None)),
-                                     calls=MEMORY_CALLS)
-                ee.grad = cc.grad = None
-                dev = device_ms(fn, grad_to_none=[ee, cc])
-                host = max(0.0, med - dev) if math.isfinite(dev) else math.nan
-                rows.append(dict(base, method=m.name, **{"pass": pas}, median_ms=med, p20_ms=p20, p80_ms=p80,
-                                 ratio_to_matmul=med / floor, peak_extra_mib=mem, device_ms=dev, host_ms=host, **err))
-                log(f"{name} {data}: {m.name:22s} {pas:6s} {med:8.2f} ms  {med / floor:5.2f}x  {mem:9.1f} MiB  "
-                    f"loss {err['err_loss']:.1e} dE {err['err_de']:.1e} dC {err['err_dc']:.1e}  "
-                    f"device {dev:.2f} ms ({host:.2f} ms not on the device)")
-            del ee, cc, loss
-        except Exception as exc:  # a peer failing must not stop the others
-            log(f"{name} {data}: {m.name} FAILED: {exc!r}")
-        finally:
-            setting.__exit__(None, None, None)
+                for pas, fn in (("fw", fw), ("fw+bw", fwbw)):
+                    p20, med, p80 = time_ms(fn, grad_to_none=[ee, cc], rep=reps)
+                    # (gradients dropped after each call, as an optimiser step's zero_grad(set_to_none) does)
+                    mem = peak_extra_mib(lambda: (fn(), setattr(ee, "grad", None), setattr(cc, "grad", None)),
+                                         calls=MEMORY_CALLS)
+                    ee.grad = cc.grad = None
+                    dev = device_ms(fn, grad_to_none=[ee, cc])
+                    host = max(0.0, med - dev) if math.isfinite(dev) else math.nan
+                    rows.append(dict(base, method=m.name, **{"pass": pas}, median_ms=med, p20_ms=p20, p80_ms=p80,
+                                     ratio_to_matmul=med / floor, peak_extra_mib=mem, device_ms=dev, host_ms=host,
+                                     **err))
+                    log(f"{name} {data}: {m.name:22s} {pas:6s} {med:8.2f} ms  {med / floor:5.2f}x  {mem:9.1f} MiB  "
+                        f"loss {err['err_loss']:.1e} dE {err['err_de']:.1e} dC {err['err_dc']:.1e}  "
+                        f"device {dev:.2f} ms ({host:.2f} ms not on the device)")
+                del ee, cc, loss
+            except Exception as exc:  # a peer failing must not stop the others
+                log(f"{name} {data}: {m.name} FAILED: {exc!r}")
         gc.collect()
         torch.cuda.empty_cache()
     del e, c, t, ref_de, ref_dc
@@ -506,26 +504,24 @@ def run_train(name, B, V, D, methods, meta, *, pretrain_steps=300, loop_steps=40
             return m.loss(h.to(dt), model.lm_head.weight.to(dt), y.flatten())
 
         for pass_name, timed in modes:
-            setting = m.setting() if m.setting is not None else contextlib.nullcontext()
-            setting.__enter__()
-            try:
-                model.load_state_dict(init)
-                model.zero_grad(set_to_none=True)
-                memory.clear()
-                opt = realdata.make_optimizer(model, lr)
-                row, loss = timed(model, opt, realdata.batches(train_ids, B // seq, seq, seed=1), loss_fn,
-                                  warmup, loop_steps, device, refs.get(pass_name))
-                if m.name == "torch":
-                    refs[pass_name], row["err_loss"] = loss, 0.0
-                rows.append(dict(base, method=m.name, **row))
-                med, mem = row["median_ms"], row["peak_extra_mib"]
-                ref = f"{refs[pass_name]:.4f}" if pass_name in refs else "n/a"
-                log(f"{name} real: {m.name:22s} {pass_name} {med:8.2f} ms  {mem:9.1f} MiB  loss {loss:.4f} (torch {ref})")
-                del opt
-            except Exception as exc:  # a peer failing (or one that cannot be captured) must not stop the others
-                log(f"{name} real: {m.name} {pass_name} FAILED: {exc!r}")
-            finally:
-                setting.__exit__(None, None, None)
+            with m.setting():
+                try:
+                    model.load_state_dict(init)
+                    model.zero_grad(set_to_none=True)
+                    memory.clear()
+                    opt = realdata.make_optimizer(model, lr)
+                    row, loss = timed(model, opt, realdata.batches(train_ids, B // seq, seq, seed=1), loss_fn,
+                                      warmup, loop_steps, device, refs.get(pass_name))
+                    if m.name == "torch":
+                        refs[pass_name], row["err_loss"] = loss, 0.0
+                    rows.append(dict(base, method=m.name, **row))
+                    med, mem = row["median_ms"], row["peak_extra_mib"]
+                    ref = f"{refs[pass_name]:.4f}" if pass_name in refs else "n/a"
+                    log(f"{name} real: {m.name:22s} {pass_name} {med:8.2f} ms  {mem:9.1f} MiB  loss {loss:.4f} "
+                        f"(torch {ref})")
+                    del opt
+                except Exception as exc:  # a peer failing (or one that cannot be captured) must not stop the others
+                    log(f"{name} real: {m.name} {pass_name} FAILED: {exc!r}")
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
