@@ -432,15 +432,32 @@ def test_without_a_weighing_the_check_stops_at_the_corrected_filter(device, monk
 
 
 # -- what is remembered is a hint: only calls like the one measured reuse a verdict ---------------
-def _mapped_call(e, c, t, kv, **kw):
-    ee = e.clone().requires_grad_()
+def _mapped_call(e, c, t, kv, storage=None, **kw):
+    """dE of a mapped call on rows ``e``. ``storage``: None, the rows cloned (wherever the allocator puts
+    them); a dict, copied into its one leaf of their shape (the same storage at every call, as a
+    training loop's activations get from a GPU's caching allocator); a list, cloned and kept in it (new
+    storage at every call, as the CPU's allocator mostly gives)."""
+    if isinstance(storage, dict):
+        ee = storage.setdefault((e.shape, e.dtype), torch.empty_like(e).requires_grad_())
+        ee.grad = None
+        with torch.no_grad():
+            ee.copy_(e)
+    else:
+        ee = e.clone().requires_grad_()
+        if storage is not None:
+            storage.append(ee)
     linear_cross_entropy(ee, c, t, impl="triton", variants=kv, **kw).backward()
     return ee.grad
 
 
-def test_another_classifier_at_the_same_storage_is_measured_afresh(device, monkeypatch, set_costs, planned):
+@pytest.mark.parametrize("rows", ["new storage", "same storage"])
+def test_another_classifier_at_the_same_storage_is_measured_afresh(device, monkeypatch, set_costs, planned, rows):
     # load_state_dict copies in place, and the caching allocator reuses addresses: the storage is the
-    # same, the classifier is not. Its verdict (and correction) must not carry over.
+    # same, the classifier is not. Its verdict (and correction) must not carry over. Rows at new
+    # storage: the call reads back, sees the fingerprint differ and is checked. Rows at the same
+    # storage (a GPU's training loop): the call is planned on the previous call's measurements with
+    # nothing read back, its fingerprint fails on the device and every tile is live (exact gradients);
+    # the next call is checked.
     e, c, t, _ = make_inputs((64,), 512, 32, torch.float32, peaked=1.0, seed=5, device=device)
     _, other, _, _ = make_inputs((64,), 512, 32, torch.float32, seed=9, device=device)
     monkeypatch.setattr(filters, "MAX_ERROR", 1.0)  # every filter passes: the verdict is the call's own
@@ -448,13 +465,19 @@ def test_another_classifier_at_the_same_storage_is_measured_afresh(device, monke
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6))
     cc = c.clone()
     prime_order(cc, e, "sorted")
+    storage = {} if rows == "same storage" else []
     for _ in range(2):
-        _mapped_call(e, cc, t, kv)
+        _mapped_call(e, cc, t, kv, storage)
     assert planned[-2].call.checked and not planned[-1].call.checked  # measured, then reused
     cc.copy_(other)  # another classifier, in place
-    _mapped_call(e, cc, t, kv)
+    _mapped_call(e, cc, t, kv, storage)
+    call = planned[-1].call
+    if rows == "same storage":
+        assert "nothing read back" in call.backward.reason and not call.checked
+        assert call.live is not None and bool(call.live.all()), "a verdict measured on another classifier was reused"
+        _mapped_call(e, cc, t, kv, storage)
     assert planned[-1].call.checked, "a verdict measured on another classifier was reused"
-    _mapped_call(e, cc, t, kv)
+    _mapped_call(e, cc, t, kv, storage)
     assert not planned[-1].call.checked  # ... and its own verdict is reused in turn
 
 
@@ -480,11 +503,15 @@ def test_two_losses_on_one_classifier_keep_their_own_verdicts(device, monkeypatc
     assert measured == [True, True, False, False, False], measured
 
 
-def test_a_call_that_reuses_a_verdict_reads_back_once(device, monkeypatch, set_costs, planned):
+@pytest.mark.parametrize("rows", ["new storage", "same storage"])
+def test_a_call_that_reuses_a_verdict_reads_back_once(device, monkeypatch, set_costs, planned, rows):
     # The verdict's fingerprint rides on the planner's one copy (the live grid's counts): planning a
     # call that reuses the classifier's latest verdict reads the device once. Where the latest does not
     # match (another loss's rows on the same classifier) the call is checked, or decided again at an
-    # older verdict that matches: a second copy, no check.
+    # older verdict that matches: a second copy, no check. Rows at the same storage (a GPU's training
+    # loop): from the third call on, a call like the previous one is planned on its measurements and
+    # reads nothing; the other loss's call fails its fingerprint on the device and runs every tile (it
+    # is not checked), and the call after it reads back once, at the verdict that matches.
     from cce_autotune.planning import planner
 
     c, kv, (e, t), (e2, t2) = _two_losses(device, monkeypatch, set_costs)
@@ -502,10 +529,19 @@ def test_a_call_that_reuses_a_verdict_reads_back_once(device, monkeypatch, set_c
             return real_plan(*a, **k)
 
     monkeypatch.setattr(planner, "plan_gradients", counting)
-    checked = []
-    for rows, targets in ((e, t), (e, t), (e, t), (e2, t2), (e, t)):
-        _mapped_call(rows, c, targets, kv)
+    checked, every_tile = [], []
+    storage = {} if rows == "same storage" else []
+    for x, targets in ((e, t), (e, t), (e, t), (e2, t2), (e, t)):
+        _mapped_call(x, c, targets, kv, storage)
         checked.append(bool(planned[-1].call.checked))
+        every_tile.append(bool(planned[-1].call.live.all()))
+    if rows == "same storage":
+        assert checked == [True, False, False, False, False]
+        # (the one copy; nothing; nothing but the host's copy of the previous call's measurements, made
+        # without a wait; that copy and the one copy)
+        assert reads[1:] == [1, 0, 1, 2], reads
+        assert every_tile[3] and not every_tile[2]  # (the other loss's rows: every tile, exact gradients)
+        return
     assert checked == [True, False, False, True, False]
     assert reads[1] == reads[2] == 1, reads  # reused: the one copy
     assert reads[4] == 2, reads  # the other loss's verdict is the latest: decided again at its own

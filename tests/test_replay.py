@@ -367,6 +367,7 @@ def test_replayed_calls_give_the_eager_gradients(case, monkeypatch, set_costs, p
             out[i][0].copy_(ee.grad)
             out[i][1].copy_(cc.grad)
             out[i][2][0] = planned[-1].call.backward.tile_products
+            planned.clear()  # (a plan holds its call's live grid: kept, the next call's would lie elsewhere)
         return out
 
     eager = run(False)
