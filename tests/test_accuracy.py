@@ -374,8 +374,8 @@ def test_the_planner_weighs_the_corrected_filter_against_a_smaller_plain_one(che
     e, c, t = e.to(device), c.to(device), t.to(device)
     eps = 2.0**-6
     _, ref = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
-    slow = dict(chunk_ms=100.0) if cheaper == "plain" else \
-        dict(sparse_per_live=1e3, chunk_ms=0.0, gather_chunk_ms=0.0)  # (no host time: tiny)
+    slow = dict(chunk_ms=100.0, tile_chunk_ms=100.0) if cheaper == "plain" else \
+        dict(sparse_per_live=1e3, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0)  # (no host time: tiny)
     set_costs(max_dropped=math.inf, pause_share=math.inf, **slow)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
 

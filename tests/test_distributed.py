@@ -180,7 +180,7 @@ def _check_filtered(mesh):
     from helpers import make_inputs, rel_err
     from test_planner import MAPPED
 
-    costs.BUILTIN["h200"] = {**costs.BUILTIN["h200"], "map_ms": 0.0, "chunk_ms": 0.0, "gather_chunk_ms": 0.0,
+    costs.BUILTIN["h200"] = {**costs.BUILTIN["h200"], "map_ms": 0.0, "chunk_ms": 0.0, "tile_chunk_ms": 0.0, "gather_chunk_ms": 0.0,
                              "pause_share": float("inf"), "max_dropped": float("inf")}
     dispatch.costs_for = lambda gpu: costs.builtin(gpu)  # (no fixed costs: at this size they would pause)
     accuracy.check = functools.partial(accuracy.check, confidence=0.0)

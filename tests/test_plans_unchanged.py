@@ -100,7 +100,7 @@ def _zero_fixed_costs():
     from cce_autotune.planning import costs
 
     saved = costs.BUILTIN["h200"]
-    costs.BUILTIN["h200"] = dict(map_ms=0.0, chunk_ms=0.0, gather_chunk_ms=0.0, block_ms=0.0)
+    costs.BUILTIN["h200"] = dict(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0, block_ms=0.0)
 
     def restore():
         costs.BUILTIN["h200"] = saved

@@ -217,7 +217,8 @@ def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, d
     n_groups = -(-p.n // row_group) if grouped else 1
     # (tile products read C's rows and write dC's through the order: only a sum over groups scatters)
     gather = costs.gather_chunk_ms if p.sorted_vocab and (grouped or not tile_products) else 0.0
-    host = live_chunks * n_chunks * (costs.chunk_ms * n_groups + gather) / mm_ms(p, costs)
+    per_block = costs.tile_chunk_ms if tile_products else costs.chunk_ms
+    host = live_chunks * n_chunks * (per_block * n_groups + gather) / mm_ms(p, costs)
     return max(device, host - costs.forward if after_forward else host)
 
 
@@ -235,7 +236,10 @@ class Chunked(Strategy):
         Coefficient("products", 2.0, "its two cuBLAS products, per unit of live-chunk share", fitted=True),
         Coefficient("tile_products", 4.1, "the same two products formed by live tile (Triton kernels), per unit "
                     "of live-tile share", fitted=True),
-        Coefficient("chunk_ms", 0.19, "host time per chunk (a kernel launch, two cuBLAS calls)"),
+        Coefficient("chunk_ms", 0.19, "host time per chunk with cuBLAS's products (a kernel launch, two cuBLAS "
+                    "calls)"),
+        Coefficient("tile_chunk_ms", 0.075, "host time per chunk with products by live tile (two Triton launches "
+                    "through a launch series)"),
         Coefficient("gather_chunk_ms", 0.1, "and more per chunk in a sorted order (C and dC rows gathered)"),
         Coefficient("row_group_min", 1024, "fewest rows per group: fewer starve cuBLAS's dC product (a power of two, "
                     "a multiple of block_b)", integer=True),
