@@ -25,8 +25,9 @@ graphs. A key seen once runs as it is: arguments that change at every call (an a
 never gives a buffer the same address twice) cost one description a call, and no capture. Never on
 the CPU, under Triton's interpreter, while a CUDA graph is being captured (the caller's graph takes
 the launches), while a launch hook is set (a profiler's: every launch through Triton), for an
-argument :func:`describe` does not know, or when replays are off: :func:`replays` (off by default
-until they are timed on the device; ``CCE_AUTOTUNE_REPLAY=1`` turns them on). A capture that fails
+argument :func:`describe` does not know, or when replays are off: :func:`replays` (off by default: on an
+H100 they cut a call's host time but not its wall, which the device sets; ``CCE_AUTOTUNE_REPLAY=1``
+turns them on). A capture that fails
 runs the loop as it is and turns replays off for the process, with one warning.
 """
 
