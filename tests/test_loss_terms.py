@@ -153,6 +153,36 @@ def test_fused_strategy_with_token_weights(device):
     assert_within(res)
 
 
+@pytest.mark.parametrize("V", [203, 208])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_strategy_at_an_odd_vocabulary(V, dtype, device, planned, monkeypatch):
+    # g's rows are a multiple of 16 elements apart; at a V that is not one, the kernels write the columns
+    # past V as zeros (their masks' bound is the row's width, so that they vectorize), which the
+    # products may read: none of it reaches the gradients, even where the strategy's buffers start as
+    # NaN. Blocks of fewer rows than the call (the last partial, over the previous block's rows) and a
+    # softcap.
+    from cce_autotune.strategies import fused
+
+    class NaNEmpty:  # (the strategy's torch, whose empty float buffers hold NaN)
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*shape, **kw):
+            x = torch.empty(*shape, **kw)
+            return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(fused, "torch", NaNEmpty())
+    e, c, t, b = make_inputs((150,), V, 32, dtype, bias=True, seed=4, device=device)
+    kv = SMALL.replace(backward=SMALL.backward.replace(strategy="fused"))
+    assert fused._aligned(V) % 16 == 0 and fused._aligned(V) - V < 16
+    for softcap in (None, 20.0):
+        res = compare(e, c, t, b, dtype, impl="triton", variants=kv, softcap=softcap, max_extra_memory=70_000)
+        assert_within(res)
+        plan = planned[-1].plan
+        assert plan.strategy == "fused" and 0 < plan.row_block < 150 and 150 % plan.row_block  # (a last, partial block)
+
+
 def test_exact_fused_strategy_sums_a_16_bit_dc_in_fp32(device):
     # Exact mode, a 16-bit classifier, blocks of fewer rows than the call: dC is summed over the blocks
     # in an fp32 accumulator (one rounding, as the four-matmul plans), which the budget holds.

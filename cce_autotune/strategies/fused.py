@@ -47,9 +47,10 @@ def _row_bytes(p: CallProblem, tile_v: int) -> int:
 
 
 def _aligned(V: int) -> int:
-    """Elements between two rows of a block's g: V rounded up to 16 bytes' worth (of 2-byte elements:
-    also a whole number of 4-byte ones)."""
-    return -(-V // 8) * 8
+    """Elements between two rows of a block's g: V rounded up to a multiple of 16 (rows 32 bytes apart
+    in 2-byte elements: cuBLAS's fast path; and a stride Triton specializes as divisible by 16, so that
+    the kernels' loads and stores of g's rows are vectorized)."""
+    return -(-V // 16) * 16
 
 
 def cost(p: CallProblem, costs, row_block: int, dc_fp32: bool = False) -> float:
@@ -162,10 +163,11 @@ class Fused(Strategy):
         R = max(1, min(row_block, n))
         tv = variant.block_v
         n_tiles = -(-V // tv)
-        # (rows of g 16-byte aligned: at an odd V such as GPT-2's 50257, cuBLAS takes a path several
-        # times slower for its products with g's rows at V elements apart)
+        # (rows of g a multiple of 16 elements apart (_aligned): at an odd V such as GPT-2's 50257, cuBLAS
+        # takes a path several times slower for its products with g's rows at V elements apart, and the
+        # kernels' accesses to g's rows are not vectorized. The columns past V are not the gradient's:
+        # the kernels write them as zeros, which a product may read - the CPU's bf16 GEMM, times zero)
         g_rows = torch.empty((R, _aligned(V)), dtype=e.dtype, device=dev)
-        g_rows[:, V:].zero_()  # (not the gradient's; a product may read them: the CPU's bf16 GEMM, times zero)
         g = g_rows[:, :V]
         u = g.view(torch.float16) if g.element_size() == 2 else g  # (u <= 1: fp16, finer than bf16)
         stats = torch.empty((2, R, n_tiles), dtype=torch.float32, device=dev)  # each tile's max, sum
