@@ -10,9 +10,10 @@ there may still fail to compile for a GPU. Two processes close that gap:
 - ``compile``, without the interpreter: renders each recorded kernel for the GPU and compiles it with
   ``triton.compile`` for a target (``cuda:90`` ...), ptxas included: what a GPU's first launch does.
 
-``python tests/gpu_compile.py record OUT.json`` / ``python tests/gpu_compile.py compile IN.json 90 [--usage]``
+``python tests/gpu_compile.py record OUT.json`` / ``python tests/gpu_compile.py compile IN.json 90 [--usage] [--accesses]``
 (``--usage``: each kernel's registers and stack bytes, from the cubin by the ``cuobjdump`` Triton ships: a
-kernel spilling to the stack reads and writes local memory in its loop or epilogue).
+kernel spilling to the stack reads and writes local memory in its loop or epilogue; ``--accesses``: each
+kernel's global loads and stores in its PTX, scalar 2-byte ones and vectorized ones, as JSON lines).
 """
 
 from __future__ import annotations
@@ -146,7 +147,17 @@ def _usage(cubin: bytes) -> tuple:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def compile_records(path: str, arch: int, usage: bool = False) -> int:
+def _accesses(ptx: str) -> dict:
+    """Counts of a kernel's global accesses in its PTX: scalar 2-byte loads and stores, and vectorized ones."""
+    import re
+
+    ops = re.findall(r"\b(?:ld|st)\.global\S*", ptx)  # (e.g. st.global.v4.b32, ld.global.nc.L1::evict_last.b16)
+    vector = [op for op in ops if re.search(r"\.v[248]\.", op)]
+    return {"scalar16": sum(1 for op in ops if op not in vector and re.search(r"\.[bfu]16$", op)),
+            "vector": len(vector)}
+
+
+def compile_records(path: str, arch: int, usage: bool = False, accesses: bool = False) -> int:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile runs without the interpreter"
     import triton
     from triton.backends.compiler import GPUTarget
@@ -190,6 +201,9 @@ def compile_records(path: str, arch: int, usage: bool = False) -> int:
             continue
         if usage:
             print(f"usage {_usage(ck.asm['cubin'])} {what}")
+        if accesses:
+            print("accesses " + json.dumps({"function": rec["function"], "variant": rec.get("variant"),
+                                            **_accesses(ck.asm["ptx"])}))
     print(json.dumps({"compiled": len(done), "failures": failures, "seconds": round(time.time() - t0, 1)}))
     return 1 if failures else 0
 
@@ -198,4 +212,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "record":
         record(sys.argv[2])
     else:
-        sys.exit(compile_records(sys.argv[2], int(sys.argv[3]), usage="--usage" in sys.argv[4:]))
+        sys.exit(compile_records(sys.argv[2], int(sys.argv[3]), usage="--usage" in sys.argv[4:],
+                                 accesses="--accesses" in sys.argv[4:]))

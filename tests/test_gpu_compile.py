@@ -50,10 +50,27 @@ def test_every_launched_kernel_compiles_for_hopper_and_ampere(tmp_path):
     # (the shipped tiles, block_d 64 where the sweep's take 16, with a bias: the fp32 classifier's call)
     assert any(r.get("flags", {}).get("has_bias") and r["variant"].get("block_d") == 64 for r in launches)
     for arch in (90, 80):
-        out = subprocess.run([sys.executable, str(HERE / "gpu_compile.py"), "compile", str(records), str(arch)],
+        out = subprocess.run([sys.executable, str(HERE / "gpu_compile.py"), "compile", str(records), str(arch)]
+                             + (["--accesses"] if arch == 90 else []),
                              env={**env, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900)
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         assert lines, (arch, out.stderr[-3000:])
         result = json.loads(lines[-1])
         assert out.returncode == 0 and not result["failures"], (arch, result["failures"][:3])
         assert result["compiled"] >= (len(kernels) if arch == 90 else 1), result
+        if arch == 90:
+            _assert_fused_accesses_vectorized(out.stdout)
+
+
+def _assert_fused_accesses_vectorized(stdout: str) -> None:
+    # The fused strategy's kernels read and write g's rows (a block's rows x V, the call's largest
+    # traffic) in 16-byte accesses, also at an odd V such as the records' 301 or GPT-2's 50257: its rows
+    # lie a multiple of 16 elements apart and the masks' bound is the row's width, not V (with V as
+    # the bound, sm_90's PTX had 64 scalar 2-byte stores of u, and 32 loads and 32 stores of g). At
+    # most one other 2-byte access, an operand's single load in the logits kernel.
+    seen = [json.loads(line[len("accesses "):]) for line in stdout.splitlines() if line.startswith("accesses ")]
+    fused = [a for a in seen if a["function"] in ("cce_fused_logits_kernel", "cce_fused_grad_kernel")]
+    assert {a["function"] for a in fused} == {"cce_fused_logits_kernel", "cce_fused_grad_kernel"}, seen[:3]
+    for a in fused:
+        allowed = 1 if a["function"] == "cce_fused_logits_kernel" else 0
+        assert a["vector"] > 0 and a["scalar16"] <= allowed, a
