@@ -438,7 +438,9 @@ def _mapped_call(e, c, t, kv, storage=None, **kw):
     training loop's activations get from a GPU's caching allocator); a list, cloned and kept in it (new
     storage at every call, as the CPU's allocator mostly gives)."""
     if isinstance(storage, dict):
-        ee = storage.setdefault((e.shape, e.dtype), torch.empty_like(e).requires_grad_())
+        ee = storage.get((e.shape, e.dtype))
+        if ee is None:  # (made once: an allocation a call would move the allocator's state between calls)
+            ee = storage[(e.shape, e.dtype)] = torch.empty_like(e).requires_grad_()
         ee.grad = None
         with torch.no_grad():
             ee.copy_(e)

@@ -217,8 +217,8 @@ def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, d
     n_groups = -(-p.n // row_group) if grouped else 1
     # (tile products read C's rows and write dC's through the order: only a sum over groups scatters)
     gather = costs.gather_chunk_ms if p.sorted_vocab and (grouped or not tile_products) else 0.0
-    per_block = costs.tile_chunk_ms if tile_products else costs.chunk_ms
-    host = live_chunks * n_chunks * (per_block * n_groups + gather) / mm_ms(p, costs)
+    per_chunk = costs.tile_chunk_ms if tile_products else costs.chunk_ms  # (and row group)
+    host = live_chunks * n_chunks * (per_chunk * n_groups + gather) / mm_ms(p, costs)
     return max(device, host - costs.forward if after_forward else host)
 
 
