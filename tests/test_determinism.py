@@ -61,3 +61,37 @@ def test_deterministic_follows_torch_setting(device):
     finally:
         torch.use_deterministic_algorithms(previous)
     assert plans == ["chunked", "chunked"]
+
+
+@pytest.mark.parametrize("classifier", [torch.bfloat16, torch.float32])
+def test_exact_calls_do_not_depend_on_earlier_calls(classifier, device):
+    """The README's promise for resumed runs: an exact call's gradient bits are those of the same call
+    in a fresh process state, whatever the classifier's earlier calls measured (the filtered calls
+    before it sort the vocabulary, launch from their maps and leave verdicts behind)."""
+    from test_tile_map import MAPPED
+
+    from cce_autotune import memory
+    from cce_autotune.planning import explain
+
+    memory.clear()
+    e, c, t, _ = make_inputs((61,), 300, 45, torch.bfloat16, peaked=2.0, device=device)
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-10))
+    cc = c.to(classifier).clone().requires_grad_()  # (one classifier, changed in place as a step would)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def call(filt):
+        ee = e.clone().requires_grad_()
+        cc.grad = None
+        linear_cross_entropy(ee, cc, t, variants=kv, filter_eps=filt, impl="triton", deterministic=True).backward()
+        return ee.grad, cc.grad
+
+    with explain.recording() as made:
+        for _ in range(3):
+            call("auto")
+            with torch.no_grad():
+                cc.add_(torch.randn(cc.shape, generator=g, device=device).to(classifier), alpha=0.01)
+    assert any(r.call.backward.use_map for r in made)  # (the history launched from maps: there is state)
+    after_history = call(None)
+    memory.clear()
+    fresh = call(None)
+    assert all(torch.equal(a, b) for a, b in zip(after_history, fresh))
