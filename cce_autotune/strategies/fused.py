@@ -163,6 +163,7 @@ class Fused(Strategy):
         R = max(1, min(row_block, n))
         tv = variant.block_v
         n_tiles = -(-V // tv)
+        piece = max(block_v, tv)  # (a rescaling program's columns: whole tiles, both powers of two)
         # (rows of g a multiple of 16 elements apart (_aligned): at an odd V such as GPT-2's 50257, cuBLAS
         # takes a path several times slower for its products with g's rows at V elements apart, and the
         # kernels' accesses to g's rows are not vectorized. The columns past V are not the gradient's:
@@ -207,9 +208,9 @@ class Fused(Strategy):
                 BLOCK_B=variant.block_b, BLOCK_V=tv, BLOCK_D=variant.block_d, GROUP_B=variant.group_b,
                 num_warps=variant.num_warps, num_stages=variant.num_stages,
             )
-            grad_kernel[(m, -(-V // block_v))](
+            grad_kernel[(m, -(-V // piece))](
                 u, g, st_max, st_sum, tgt, cfs[b], lse_b, zt_b, V, n_tiles, g.stride(0), stats.stride(1), cap,
-                TILE_V=tv, BLOCK_V=block_v, BLOCK_S=LSE_STATS, num_warps=4,
+                TILE_V=tv, BLOCK_V=piece, BLOCK_S=LSE_STATS, num_warps=4,
             )
             g_blk, g_tail, g_head, g_t = whole if m == R else _products_operands(g[:m], cut)
             de_blk = de_blks[b] if dense else torch.empty((m, D), dtype=de.dtype, device=dev)
