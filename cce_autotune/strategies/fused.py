@@ -224,8 +224,8 @@ class Fused(Strategy):
             if not dense:
                 de2[row_idx[r0:r0 + m]] = de_blk
             for acc_part, g_part in zip(acc_parts, g_t):
-                if r0 > 0:
-                    add_matmul(acc_part, g_part, e_blk)  # fp32 inside cuBLAS; in a 16-bit dC one rounding per block of rows
+                if r0 > 0:  # (fp32 inside cuBLAS; in a 16-bit dC one rounding per block of rows)
+                    add_matmul(acc_part, g_part, e_blk)
                 else:
                     mm_out(g_part, e_blk, acc_part)  # (the first block writes dC: no fill)
             if dbias is not None:
