@@ -7,6 +7,11 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+NO_CHUNK_HOST = dict(chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0)
+"""The cost model's host time per chunk of the chunked loop (each way of forming its products, and the
+gather of a sorted order) set to nothing: at the tests' tiny sizes it, not the device's work, would
+decide the plan."""
+
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()

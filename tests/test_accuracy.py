@@ -9,7 +9,7 @@ import torch
 from cce_autotune import linear_cross_entropy, memory
 from cce_autotune.planning import accuracy, costs, explain, filters, planner
 from cce_autotune.plans import CallProblem
-from helpers import grads_of, make_inputs, rel_err, torch_loss
+from helpers import NO_CHUNK_HOST, grads_of, make_inputs, rel_err, torch_loss
 from test_loss import prime_order
 from test_tile_map import MAPPED, _forward_map
 
@@ -375,7 +375,7 @@ def test_the_planner_weighs_the_corrected_filter_against_a_smaller_plain_one(che
     eps = 2.0**-6
     _, ref = grads_of(lambda e_, c_: torch_loss(e_, c_, t), e.double(), c.double())
     slow = dict(chunk_ms=100.0, tile_chunk_ms=100.0) if cheaper == "plain" else \
-        dict(sparse_per_live=1e3, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0)  # (no host time: tiny)
+        dict(sparse_per_live=1e3, **NO_CHUNK_HOST)  # (no host time: tiny)
     set_costs(max_dropped=math.inf, pause_share=math.inf, **slow)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy="auto"))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cce_autotune import linear_cross_entropy
-from helpers import make_inputs, rel_err
+from helpers import NO_CHUNK_HOST, make_inputs, rel_err
 from test_loss import SMALL, prime_order
 from test_tile_map import MAPPED
 
@@ -75,7 +75,7 @@ def test_training_steps_do_not_recompile_and_keep_the_tile_map(device, set_costs
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-10, strategy="sparse"))
     prime_order(c, e, "sorted")
     # (No fixed costs: at this tiny size they would pause filtering on a GPU's cost model.)
-    set_costs(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0)
+    set_costs(map_ms=0.0, **NO_CHUNK_HOST)
     fn = torch.compile(lambda e_, c_: linear_cross_entropy(e_, c_, t, impl="triton", variants=kv, filter_eps="auto"),
                        fullgraph=True, backend="aot_eager")
     torch._dynamo.reset()

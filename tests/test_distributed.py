@@ -177,10 +177,10 @@ def _check_filtered(mesh):
     from cce_autotune import linear_cross_entropy
     from cce_autotune.configdb import dispatch
     from cce_autotune.planning import accuracy, costs, explain, filters
-    from helpers import make_inputs, rel_err
+    from helpers import NO_CHUNK_HOST, make_inputs, rel_err
     from test_planner import MAPPED
 
-    costs.BUILTIN["h200"] = {**costs.BUILTIN["h200"], "map_ms": 0.0, "chunk_ms": 0.0, "tile_chunk_ms": 0.0, "gather_chunk_ms": 0.0,
+    costs.BUILTIN["h200"] = {**costs.BUILTIN["h200"], "map_ms": 0.0, **NO_CHUNK_HOST,
                              "pause_share": float("inf"), "max_dropped": float("inf")}
     dispatch.costs_for = lambda gpu: costs.builtin(gpu)  # (no fixed costs: at this size they would pause)
     accuracy.check = functools.partial(accuracy.check, confidence=0.0)

@@ -18,7 +18,7 @@ from cce_autotune.plans import CallProblem as Problem
 from cce_autotune.strategies import chunked, forward, fused
 from cce_autotune.strategies.base import FORWARD_TILE_V
 from conftest import DEVICE
-from helpers import grads_of, make_inputs, rel_err, torch_loss, unwritten_is_nan
+from helpers import NO_CHUNK_HOST, grads_of, make_inputs, rel_err, torch_loss, unwritten_is_nan
 from test_loss import SMALL, assert_within, run_case
 from test_variants import assert_within_bound
 
@@ -392,7 +392,7 @@ def test_a_backward_that_filters_nothing_is_planned_in_the_natural_order(device)
     # just holds the exact plan pushed it to row groups at 2.5x its cost (the real-data GPT heads).
     from cce_autotune.tile_map import TileMap
 
-    model = costs.CostModel(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0)
+    model = costs.CostModel(map_ms=0.0, **NO_CHUNK_HOST)
     n, V, D = 4096, 8192, 256
     v = BackwardVariant(block_b=64, block_v=128, block_d=64)
     p = Problem(n=n, n_all=n, V=V, D=D, elem=2, grad_bytes=2 * (n + V) * D, sorted_vocab=True, map_bytes=n * V // 256)
@@ -417,7 +417,7 @@ def test_pause_when_filtering_cannot_pay(device):
     # dense plan would cost more than a mapped plan of every tile.)
     from cce_autotune.tile_map import TileMap
 
-    model = costs.CostModel(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0, flops_per_byte=5.0)
+    model = costs.CostModel(map_ms=0.0, **NO_CHUNK_HOST, flops_per_byte=5.0)
     n, V, D = 64, 512, 32
     v = BackwardVariant(block_b=16, block_v=32, block_d=16)
     p = Problem(n=n, n_all=n, V=V, D=D, elem=4, grad_bytes=4 * (n + V) * D, sorted_vocab=True, map_bytes=n * V // 32)
@@ -531,7 +531,7 @@ def test_plan_shapes_match_the_oracle(strategy, shapes, dtype, eps, device, monk
     tile_products = strategy.endswith("tile products")
     strategy = strategy.split(",")[0]
     # (the products the planner takes, by their cost; no host time, which would hide the difference)
-    set_costs(tile_products=0.0 if tile_products else 1e9, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0)
+    set_costs(tile_products=0.0 if tile_products else 1e9, **NO_CHUNK_HOST)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=eps, strategy=strategy))
     res, (e, c, t, b) = run_case((3, 41), 601, 45, dtype, variants=kv, bias=True, softcap=30.0, shift=1,
                                  ignore=0.1, peaked=3.0, filter_eps="auto", walk="sorted", device=device)

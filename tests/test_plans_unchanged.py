@@ -97,10 +97,12 @@ def _zero_fixed_costs():
     """The planner's cost model without its fixed host costs, so that plans on these tiny shapes are
     decided by the live shares (as on the large shapes of a GPU) and not by launch overheads.
     Returns a function that restores the model."""
+    from helpers import NO_CHUNK_HOST
+
     from cce_autotune.planning import costs
 
     saved = costs.BUILTIN["h200"]
-    costs.BUILTIN["h200"] = dict(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0, block_ms=0.0)
+    costs.BUILTIN["h200"] = dict(map_ms=0.0, **NO_CHUNK_HOST, block_ms=0.0)
 
     def restore():
         costs.BUILTIN["h200"] = saved

@@ -15,7 +15,7 @@ from cce_autotune import linear_cross_entropy, memory, replay
 from cce_autotune.codegen import Flags
 from cce_autotune.planning import filters
 from cce_autotune.strategies import chunked
-from helpers import make_inputs
+from helpers import NO_CHUNK_HOST, make_inputs
 from test_loss import prime_order
 from test_planner import _force
 from test_tile_map import MAPPED
@@ -296,7 +296,7 @@ def test_the_chunk_loop_runs_from_its_argument_alone(groups, device, monkeypatch
     # one argument (every field has a key), and run again on the call's buffers as they were before it
     # (dE's accumulator zero, dC's and g's unwritten) it gives the same bits: it keeps nothing of an
     # earlier run (the launch series, the lists) that a replay would not have.
-    set_costs(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0, pause_share=math.inf, tile_products=0.0,
+    set_costs(map_ms=0.0, **NO_CHUNK_HOST, pause_share=math.inf, tile_products=0.0,
               max_dropped=math.inf)
     e, c, t, b = make_inputs((2, 29), 400, 45, torch.bfloat16, bias=True, peaked=2.0, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=64))
@@ -346,7 +346,7 @@ def test_replayed_calls_give_the_eager_gradients(case, monkeypatch, set_costs, p
     if case == "row groups":
         _force(monkeypatch, chunk=(256, True, 128))
     monkeypatch.setattr(filters, "MAX_ERROR", 1.0)
-    set_costs(max_dropped=math.inf, pause_share=math.inf, tile_products=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0)
+    set_costs(max_dropped=math.inf, pause_share=math.inf, tile_products=0.0, **NO_CHUNK_HOST)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=256))
     monkeypatch.setattr(replay, "_sites", {})
     monkeypatch.setattr(replay, "_state", {})

@@ -13,7 +13,7 @@ from cce_autotune.plans import CallProblem
 from cce_autotune.strategies import forward
 from cce_autotune.strategies.common import RowLayout
 from cce_autotune.tile_map import TileMap, live_tiles
-from helpers import grads_of, make_inputs, rel_err, torch_loss, unwritten_is_nan
+from helpers import NO_CHUNK_HOST, grads_of, make_inputs, rel_err, torch_loss, unwritten_is_nan
 from test_loss import SMALL, assert_within, prime_order, run_case
 from test_variants import assert_within_bound, filtered_bound
 
@@ -185,7 +185,7 @@ def test_mapped_strategies_drop_exactly_what_the_map_skips(V, device, no_accurac
     # than the forward's, and a kernel skipping by its own filter would also skip the half-tiles of a
     # live forward tile whose softmax is below the filter.
     # The chunked strategy runs with both products: cuBLAS's over whole chunks, and those by live tile.
-    set_costs(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0, pause_share=float("inf"))
+    set_costs(map_ms=0.0, **NO_CHUNK_HOST, pause_share=float("inf"))
     e, c, t, _ = make_inputs((3, 29), V, 45, torch.float32, peaked=2.0, device=device)
     grads = {}
     for name, strategy, tile_products in (("chunked", "chunked", False), ("tile products", "chunked", True),
@@ -216,7 +216,7 @@ def test_products_by_live_tile_match_cublas_products(converted, every_row, devic
 
     if converted:
         monkeypatch.setattr(planner, "converts_whole", lambda *a: False)  # (a chunk at a time, not the whole copy)
-    set_costs(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0, pause_share=float("inf"))
+    set_costs(map_ms=0.0, **NO_CHUNK_HOST, pause_share=float("inf"))
     e, c, t, b = make_inputs((3, 29), 1000, 45, torch.bfloat16, bias=True, peaked=2.0, device=device)
     if converted:
         c, b = c.float() + 1e-3 * torch.randn(c.shape, device=device), b.float()
@@ -247,7 +247,7 @@ def test_mapped_strategies_read_nothing_back(strategy, device, no_accuracy_guard
     # the device), and computes what it did when it counted for itself.
     from cce_autotune import strategies
 
-    set_costs(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0, pause_share=float("inf"), tile_products=0.0)
+    set_costs(map_ms=0.0, **NO_CHUNK_HOST, pause_share=float("inf"), tile_products=0.0)
     e, c, t, _ = make_inputs((3, 29), 2100, 45, torch.float32, peaked=2.0, device=device)
     kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy=strategy))
     chosen = strategies.get(strategy)
@@ -322,7 +322,7 @@ def test_auto_strategy_runs_the_planners_choice(flat, device, monkeypatch, no_ac
     # and results are right either way (flat softmax: most tiles live; peaked: few).
     # (No fixed costs in the model: at this tiny size they would pause filtering on every device; and
     # the bytes moved priced as at a real head, where a matmul's flops dwarf them.)
-    set_costs(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0, flops_per_byte=5.0)
+    set_costs(map_ms=0.0, **NO_CHUNK_HOST, flops_per_byte=5.0)
     plans, launched = [], []
     real_decide = planner.decide
     monkeypatch.setattr(planner, "decide", lambda *a, **k: (lambda out: (plans.append(out[0]), out)[1])(real_decide(*a, **k)))
@@ -458,7 +458,7 @@ def _guard_case(device, q_tail, V, model, n=16):
 
 def test_accuracy_guard_lowers_the_filter_or_runs_exact(device):
     # (max_dropped: the mechanism, at a threshold these small maps reach)
-    model = costs.CostModel(map_ms=0.0, chunk_ms=0.0, tile_chunk_ms=0.0, gather_chunk_ms=0.0, max_dropped=5e-3)
+    model = costs.CostModel(map_ms=0.0, **NO_CHUNK_HOST, max_dropped=5e-3)
     # Two tiles just under 2^-12 drop ~1e-2 of the gradient's mass: the filter goes to 2^-16, where
     # they are live and the rest (at the map's floor) drop ~1e-5.
     plan, live, chunks, pause = _guard_case(device, {1: -60, 2: -60}, 512, model)

@@ -241,7 +241,8 @@ def _products_operands(g_blk, cut: int) -> tuple:
     cut (V a multiple of 8, or at most 8 columns)."""
     V = g_blk.shape[1]
     if cut < V:
-        return g_blk, g_blk[:, cut:], g_blk[:, :cut], (g_blk[:, :cut].T, g_blk[:, cut:].T)
+        tail, head = g_blk[:, cut:], g_blk[:, :cut]
+        return g_blk, tail, head, (head.T, tail.T)
     return g_blk, None, None, (g_blk.T,)
 
 
