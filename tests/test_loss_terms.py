@@ -218,6 +218,26 @@ def test_exact_chunked_strategy_runs_with_the_forwards_tiles(device):
         k: getattr(kv.lse_forward, k) for k in ("block_b", "block_v", "block_d", "group_b", "num_warps", "num_stages")}
 
 
+def test_exact_chunks_between_powers_of_two(device):
+    # An exact backward's chunks are the widest multiple of 256 columns that fits the budget (here
+    # 768 of 1100, where the powers of two would give 512): three chunks, the last a partial one
+    # that no tile width divides (1100 - 768 = 332 columns).
+    from cce_autotune.planning import explain
+    from cce_autotune.plans import CallProblem
+    from cce_autotune.strategies import chunked
+
+    e, c, t, b = make_inputs((40,), 1100, 16, torch.bfloat16, bias=True, device=device)
+    p = CallProblem(n=40, n_all=40, V=1100, D=16, elem=2, grad_bytes=2 * (40 + 1100) * 16)
+    budget = (chunked.extra_bytes(p, 768, True, False) + chunked.extra_bytes(p, 1024, True, False)) // 2
+    kv = SMALL.replace(backward=SMALL.backward.replace(strategy="chunked"))
+    with explain.recording() as plans:
+        res = compare(e, c, with_ignored(t), b, torch.bfloat16, impl="triton", variants=kv, softcap=10.0,
+                      max_extra_memory=budget)
+    assert_within(res)
+    ran = [r.call.backward for r in plans if r.call is not None and r.call.backward is not None]
+    assert ran and ran[0].chunk_v == 768 and ran[0].de_fp32, [(x.chunk_v, x.de_fp32) for x in ran]
+
+
 @pytest.mark.parametrize("strategy", ["chunked", "sparse"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_mixed_precision_fp32_classifier(dtype, strategy, device, set_costs, monkeypatch):

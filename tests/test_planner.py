@@ -263,6 +263,23 @@ def test_rows_go_in_groups_before_de_leaves_fp32_as_the_budget_shrinks():
             assert chunked_shape(q, 128, 4096, budget, exact=False)[0] % 128 == 0, (V, budget)
 
 
+@pytest.mark.parametrize("V, D", [(32000, 4096), (128256, 2048), (262208, 2560), (151936, 896)])
+def test_an_exact_chunk_is_the_widest_multiple_of_256_that_fits(V, D):
+    # Every chunk of an exact backward is live and reads and writes dE's fp32 accumulator: the budget
+    # between two powers of two is used (at 32000 x 4096 the default budget holds 2816 columns, where
+    # the widest power of two is 2048: 12 chunks, not 16).
+    p = Problem(n=8192, n_all=8192, V=V, D=D, elem=2, grad_bytes=2 * (8192 + V) * D)
+    budget = default_budget(p)
+    w, fp32, rg = chunked_shape(p, 256, 4096, budget, exact=True)
+    assert fp32 and rg == 0 and w % 256 == 0, (w, rg)
+    assert chunked.extra_bytes(p, w, True, False) <= budget < chunked.extra_bytes(p, w + 256, True, False)
+    assert w & (w - 1), w  # (at these heads, not a power of two)
+    # A tiling of 128 columns gets the same width (whole tiles of any tiling up to 256).
+    assert chunked_shape(p, 128, 4096, budget, exact=True)[0] == w
+    # The whole vocabulary in one chunk where it fits.
+    assert chunked_shape(p, 256, 4096, None, exact=True)[0] >= V
+
+
 @pytest.mark.parametrize("n, V, D", [(32768, 151936, 896), (32768, 128256, 4096), (32768, 50257, 768),
                                      (65536, 262144, 2304)])
 def test_default_budget_keeps_de_in_fp32_at_many_tokens(n, V, D):

@@ -81,10 +81,11 @@ def shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact:
     """(chunk_v, de_fp32, row_group) of the chunked strategy under ``budget`` (with cuBLAS's products:
     the tile products, where the plan takes them, run in the same shape).
 
-    dE is accumulated in fp32 whenever any shape fits: every chunk width from the variant's down to
-    256 columns with all rows in one g block, and the power-of-two row groups of at least
-    the cost model's ``row_group_min`` rows at each width; of those that fit, the cheapest by
-    :func:`cost` (fewer, wider blocks move less memory and launch less).  Only when none
+    dE is accumulated in fp32 whenever any shape fits: all rows in one g block, or the power-of-two
+    row groups of at least the cost model's ``row_group_min`` rows, each with its widest chunk that
+    fits (at least 256 columns; a mapped plan's the variant's ``chunk_v`` halved, an exact plan's any
+    multiple of 256 columns); of those, the cheapest by :func:`cost` (fewer, wider blocks move less
+    memory and launch less).  Only when none
     fits is dE accumulated in its own dtype (the widest chunk that fits, halving down to 256
     columns; 1024 when none fits).  Exact gradients always keep the fp32 dE (their accuracy
     promise), and are not narrowed to the variant's ``chunk_v`` (tuned for the mapped backward: an
@@ -96,30 +97,41 @@ def shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact:
 @lru_cache(maxsize=256)  # pure, and asked for several times per call (decide, each plan, the exact cost)
 def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact: bool, costs) -> tuple[int, bool, int]:
     whole = -(-p.V // block_v) * block_v
-    # (exact: powers of two from the whole vocabulary's down, multiples of any tile width)
+    # (exact: from the power of two at or above the whole vocabulary down)
     top = max(block_v, 1 << (whole - 1).bit_length() if exact else min(chunk_v, whole))
     floor = max(block_v, min(top, 1024))
     narrowest = max(block_v, 256)
-    widths = []
+    # Chunk widths, whole tiles (the live grid is read a tile at a time). A mapped plan's: the
+    # variant's chunk_v halved (narrower chunks also skip more dead ones, which the tuner's chunk_v
+    # weighs); an exact plan's, where every chunk is live: any multiple of 256 columns (whole tiles
+    # of any tiling that may run it).
+    ladder = []
     w = top
-    while w >= min(narrowest, top):
-        widths.append(w)
+    while w >= min(narrowest, top) and not exact:
+        ladder.append(w)
         if w // 2 < block_v:
             break
-        w = w // 2 // block_v * block_v  # whole tiles: the live grid is read a tile at a time
+        w = w // 2 // block_v * block_v
     groups = [0]
     R = 1 << max(0, (p.n - 1).bit_length() - 1)  # the largest power of two below n
     while R >= costs.row_group_min:
         groups.append(R)
         R //= 2
+    # The estimate falls as the chunks widen (fewer of them read and write dE's accumulator and
+    # launch): each row group's widest chunk that fits; the wider first where estimates tie.
+    shapes = []
+    for R in groups:
+        if exact:
+            w = _widest(p, min(narrowest, top), top, max(block_v, 256), budget, R)
+        else:
+            w = next((w for w in ladder if budget is None or extra_bytes(p, w, True, True, R) <= budget), None)
+        if w is not None:
+            shapes.append((w, R))
     best = None
-    for w in widths:
-        for R in groups:
-            if budget is not None and extra_bytes(p, w, True, not exact, R) > budget:
-                continue
-            est = cost(p, costs, 1.0, 1.0, w, True, R, after_forward=exact)
-            if best is None or est < best[0] - 1e-12:
-                best = (est, w, R)
+    for w, R in sorted(shapes, key=lambda s: -s[0]):  # (stable: groups in order at one width)
+        est = cost(p, costs, 1.0, 1.0, w, True, R, after_forward=exact)
+        if best is None or est < best[0] - 1e-12:
+            best = (est, w, R)
     if best is not None:
         return best[1], True, best[2]
     if exact:
@@ -131,6 +143,26 @@ def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact
         if w // 2 < max(block_v, 256):
             return floor, False, 0
         w = w // 2 // block_v * block_v
+
+
+def _widest(p: CallProblem, narrowest: int, top: int, step: int, budget: int | None, row_group: int) -> int | None:
+    """The widest chunk of an exact chunked plan, ``top`` or a multiple of ``step`` from ``narrowest``
+    up, whose fp32-dE shape fits ``budget`` with ``row_group``; None when not even ``narrowest`` does
+    (the bytes grow with the width: a bisection)."""
+    def fits(w):
+        return budget is None or extra_bytes(p, w, True, False, row_group) <= budget
+    if fits(top):
+        return top
+    lo, hi = -(-narrowest // step), (top - 1) // step  # multiples of step below top
+    if lo > hi or not fits(lo * step):
+        return narrowest if narrowest < top and fits(narrowest) else None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
 
 
 def listed_tiles(p: CallProblem, variant, use_map: bool) -> int:
