@@ -209,7 +209,7 @@ class Fused(Strategy):
                 num_warps=variant.num_warps, num_stages=variant.num_stages,
             )
             grad_kernel[(m, -(-V // piece))](
-                u, g, st_max, st_sum, tgt, cfs[b], lse_b, zt_b, V, n_tiles, g.stride(0), stats.stride(1), cap,
+                u, g, st_max, st_sum, tgt, cfs[b], lse_b, zt_b, n_tiles, g.stride(0), stats.stride(1), cap,
                 TILE_V=tv, BLOCK_V=piece, BLOCK_S=LSE_STATS, num_warps=4,
             )
             g_blk, g_tail, g_head, g_t = whole if m == R else _products_operands(g[:m], cut)
