@@ -106,12 +106,13 @@ def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact
     # weighs); an exact plan's, where every chunk is live: any multiple of 256 columns (whole tiles
     # of any tiling that may run it).
     ladder = []
-    w = top
-    while w >= min(narrowest, top) and not exact:
-        ladder.append(w)
-        if w // 2 < block_v:
-            break
-        w = w // 2 // block_v * block_v
+    if not exact:
+        w = top
+        while w >= min(narrowest, top):
+            ladder.append(w)
+            if w // 2 < block_v:
+                break
+            w = w // 2 // block_v * block_v
     groups = [0]
     R = 1 << max(0, (p.n - 1).bit_length() - 1)  # the largest power of two below n
     while R >= costs.row_group_min:
@@ -122,7 +123,7 @@ def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact
     shapes = []
     for R in groups:
         if exact:
-            w = _widest(p, min(narrowest, top), top, max(block_v, 256), budget, R)
+            w = _widest(p, top, narrowest, budget, R)
         else:
             w = next((w for w in ladder if budget is None or extra_bytes(p, w, True, True, R) <= budget), None)
         if w is not None:
@@ -136,26 +137,20 @@ def _shape(p: CallProblem, block_v: int, chunk_v: int, budget: int | None, exact
         return best[1], True, best[2]
     if exact:
         return floor, True, 0
-    w = top
-    while True:
-        if budget is None or extra_bytes(p, w, False, True) <= budget:
-            return w, False, 0
-        if w // 2 < max(block_v, 256):
-            return floor, False, 0
-        w = w // 2 // block_v * block_v
+    return next((w for w in ladder if budget is None or extra_bytes(p, w, False, True) <= budget), floor), False, 0
 
 
-def _widest(p: CallProblem, narrowest: int, top: int, step: int, budget: int | None, row_group: int) -> int | None:
-    """The widest chunk of an exact chunked plan, ``top`` or a multiple of ``step`` from ``narrowest``
-    up, whose fp32-dE shape fits ``budget`` with ``row_group``; None when not even ``narrowest`` does
-    (the bytes grow with the width: a bisection)."""
+def _widest(p: CallProblem, top: int, step: int, budget: int | None, row_group: int) -> int | None:
+    """The widest chunk of an exact chunked plan, ``top`` or a multiple of ``step`` below it, whose
+    fp32-dE shape fits ``budget`` with ``row_group``; None when not even ``step`` columns do (the
+    bytes grow with the width: a bisection)."""
     def fits(w):
         return budget is None or extra_bytes(p, w, True, False, row_group) <= budget
     if fits(top):
         return top
-    lo, hi = -(-narrowest // step), (top - 1) // step  # multiples of step below top
-    if lo > hi or not fits(lo * step):
-        return narrowest if narrowest < top and fits(narrowest) else None
+    lo, hi = 1, (top - 1) // step  # multiples of step below top
+    if lo > hi or not fits(step):
+        return None
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid * step):
