@@ -729,3 +729,52 @@ def test_fused_is_not_used_where_it_cannot_be(device, monkeypatch, set_costs):
         res, _ = run_case((20,), 64, 32, torch.float32, variants=kv, filter_eps="auto", device=device, **kw)
         assert_within(res)
     assert not called
+
+
+
+QWEN05 = Problem(n=8192, n_all=8192, V=151936, D=896, elem=2, grad_bytes=2 * (8192 + 151936) * 896, sorted_vocab=True,
+                 map_bytes=8192 * -(-151936 // 256))  # Qwen 2.5 0.5B's head (its map as cce-tune explain counts it)
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "sparse"])
+def test_a_live_tile_of_fewer_rows_costs_more(strategy):
+    # A live tile loads its block_b rows of E and block_v rows of C for 2 block_b block_v D flops: a
+    # 32 x 128 tile costs 1.6-1.9x a 128 x 128 tile's per unit of live share (measured on the H200 at
+    # Qwen 2.5 0.5B's and Llama 3.2 1B's heads), which the per-live coefficients are fitted at.
+    def plan(bb, model):
+        v = BackwardVariant(block_b=bb, block_v=128, strategy=strategy)
+        out = planner.plan_backward(QWEN05, v, has_map=True, live=0.34, live_blocks=1.0, budget=None, costs=model)
+        assert out.strategy == strategy and out.use_map
+        return out
+    flat = COSTS.replace(tile_edge=0.0)  # (priced as before: the same per live tile at any shape)
+    shape = strategies.base.tile_shape(COSTS, 32, 128)
+    assert 1.5 < shape < 2.0 and strategies.base.tile_shape(COSTS, 128, 128) == pytest.approx(1.0)
+    assert plan(128, COSTS).cost == pytest.approx(plan(128, flat).cost)
+    assert plan(32, flat).cost == pytest.approx(plan(128, flat).cost)
+    # Only the terms paid per live tile grow (the fixed part and the per-chunk traffic do not); the
+    # chunked strategy may then take cuBLAS's products over whole chunks instead, for less.
+    per_live = plan(128, COSTS).cost - plan(128, COSTS.replace(recompute=1e-9, tile_products=1e-9,
+                                                               sparse_per_live=1e-9)).cost
+    more = plan(32, COSTS).cost - plan(128, COSTS).cost
+    if strategy == "sparse":
+        assert more == pytest.approx((shape - 1) * per_live, rel=1e-6)
+    else:
+        assert 0 < more <= (shape - 1) * per_live * (1 + 1e-9)
+
+
+def test_a_mapped_plan_of_32_row_tiles_at_a_third_live_pauses():
+    # Qwen 2.5 0.5B's head with the H200's file (its entry has 32 x 128 tiles, tuned on real data) on
+    # LM-like data, 34 % of the tiles live: priced as 128-row tiles the mapped plan looked cheaper than
+    # the exact one and ran 1.25x slower (19.9 against 15.9 ms a call on the H100 with the H200's
+    # entries); priced by its shape, the classifier pauses. Where few tiles are live it still filters.
+    from cce_autotune.configdb import dispatch
+    model = dispatch.costs_for("h200")
+    budget = default_budget(QWEN05)
+    def pauses(bb, live, m):
+        v = BackwardVariant(block_b=bb, block_v=128, strategy="auto")
+        plan = planner.plan_backward(QWEN05, v, has_map=True, live=live, live_blocks=1.0, budget=budget, costs=m)
+        assert plan.use_map, plan.describe()
+        return m.forward + plan.cost >= m.pause_share * planner.unfiltered_cost(QWEN05, v, budget, m, False)
+    assert pauses(32, 0.34, model)
+    assert not pauses(32, 0.34, model.replace(tile_edge=0.0))
+    assert not pauses(32, 0.05, model) and not pauses(128, 0.05, model)

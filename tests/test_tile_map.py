@@ -321,8 +321,9 @@ def test_auto_strategy_runs_the_planners_choice(flat, device, monkeypatch, no_ac
     # Strategy "auto": whatever the planner picks from the live share the map measures is what runs,
     # and results are right either way (flat softmax: most tiles live; peaked: few).
     # (No fixed costs in the model: at this tiny size they would pause filtering on every device; and
-    # the bytes moved priced as at a real head, where a matmul's flops dwarf them.)
-    set_costs(map_ms=0.0, **NO_CHUNK_HOST, flops_per_byte=5.0)
+    # the bytes moved priced as at a real head, where a matmul's flops dwarf them; and the 16 x 16
+    # tiles priced as the calibration's 128 x 128.)
+    set_costs(map_ms=0.0, **NO_CHUNK_HOST, flops_per_byte=5.0, tile_edge=0.0)
     plans, launched = [], []
     real_decide = planner.decide
     monkeypatch.setattr(planner, "decide", lambda *a, **k: (lambda out: (plans.append(out[0]), out)[1])(real_decide(*a, **k)))

@@ -17,7 +17,7 @@ from ..plans import CallProblem, Option
 if TYPE_CHECKING:  # (types only: the launch helpers import PyTorch)
     from .common import BackwardArgs
 
-__all__ = ["FORWARD_TILE_V", "Coefficient", "PlanContext", "Strategy", "mm_ms", "map_overhead"]
+__all__ = ["FORWARD_TILE_V", "Coefficient", "PlanContext", "Strategy", "mm_ms", "map_overhead", "tile_shape"]
 
 
 FORWARD_TILE_V = 128
@@ -58,6 +58,15 @@ class PlanContext:
 def mm_ms(p: CallProblem, costs) -> float:
     """Estimated time of one matmul of the shape, ms (converts fixed costs into matmuls)."""
     return 2.0 * max(1, p.n) * p.V * p.D / (costs.matmul_tflops * 1e9)
+
+
+def tile_shape(costs, block_b: int, block_v: int) -> float:
+    """What a live (``block_b`` x ``block_v``) tile's kernels cost per unit of live share, relative to a
+    128 x 128 tile's (the calibration's tiling, which the per-live coefficients are fitted at): a tile
+    loads its ``block_b`` rows of E and ``block_v`` rows of C for ``2 block_b block_v D`` flops, so its
+    time goes as ``1 + tile_edge (1 / block_b + 1 / block_v)``."""
+    edge = costs.tile_edge
+    return (1.0 + edge * (1.0 / block_b + 1.0 / block_v)) / (1.0 + edge * (2.0 / 128))
 
 
 def map_overhead(p: CallProblem, use_map: bool) -> int:

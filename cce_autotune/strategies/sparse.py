@@ -3,7 +3,7 @@ compact buffer, then one kernel forms each row block's dE and one each vocabular
 (plus the target terms), written once in the input dtype: no fp32 scratch, at the price of the buffer
 (live tiles x block_b x block_v elements); ``out_block_d`` is the D width of those two passes.
 
-Cost: ``sparse_per_live`` x the live share.
+Cost: ``sparse_per_live`` x the live share (x the tile's shape factor, :func:`~.base.tile_shape`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ..codegen import load_kernel
 from ..launch import cdiv
 from ..plans import CallProblem, Option
 from ..tile_map import tile_ids
-from .base import Coefficient, PlanContext, Strategy, map_overhead
+from .base import Coefficient, PlanContext, Strategy, map_overhead, tile_shape
 from .common import BackwardArgs, flags, softcap_arg, target_weight
 
 __all__ = ["Sparse", "STRATEGY", "extra_bytes"]
@@ -45,7 +45,7 @@ class Sparse(Strategy):
         if not ctx.use_map:
             return None
         v = ctx.variant
-        return Option(ctx.fixed + ctx.costs.sparse_per_live * ctx.live,
+        return Option(ctx.fixed + ctx.costs.sparse_per_live * tile_shape(ctx.costs, v.block_b, v.block_v) * ctx.live,
                       extra_bytes(ctx.problem, v.block_b, v.block_v, ctx.n_live), use_map=True)
 
     def run(self, args: BackwardArgs, plan) -> tuple:
