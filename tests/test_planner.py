@@ -731,7 +731,6 @@ def test_fused_is_not_used_where_it_cannot_be(device, monkeypatch, set_costs):
     assert not called
 
 
-
 QWEN05 = Problem(n=8192, n_all=8192, V=151936, D=896, elem=2, grad_bytes=2 * (8192 + 151936) * 896, sorted_vocab=True,
                  map_bytes=8192 * -(-151936 // 256))  # Qwen 2.5 0.5B's head (its map as cce-tune explain counts it)
 

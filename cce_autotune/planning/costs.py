@@ -28,10 +28,11 @@ COMMON = (
                 "runs", fitted=True),
     Coefficient("flops_per_byte", 200.0, "the matmul rate over the memory bandwidth: what a byte moved costs"),
     Coefficient("matmul_tflops", 700.0, "cuBLAS's 16-bit rate: converts the fixed costs into matmuls"),
-    Coefficient("tile_edge", 50.0, "how a live tile's cost depends on its shape: per unit of live share, a "
-                "block_b x block_v tile's recompute and products cost (1 + tile_edge (1/block_b + 1/block_v)) / "
-                "(1 + tile_edge / 64) of a 128 x 128 tile's (fitted on the H200 over 32-128-row tiles at two heads, "
-                "benchmarks/NOTES.md row 270)"),
+    Coefficient("tile_edge", 50.0, "how a live tile's cost depends on its shape: a mapped plan's terms paid per "
+                "live tile (the recompute, the products by live tile, the sparse strategy's passes) cost, at block_b x "
+                "block_v tiles, (1 + tile_edge (1/block_b + 1/block_v)) / (1 + tile_edge / 64) of what they cost at "
+                "128 x 128 (fitted by hand on the H200 over 32-128-row tiles at two heads, benchmarks/NOTES.md rows "
+                "270 and 272)"),
     Coefficient("map_ms", 1.5, "a mapped backward's fixed cost: the sort key, the live grid, the host copy, the "
                 "target terms"),
     Coefficient("max_dropped", 0.18, "the dropped-mass guard: the largest share of the gradient's L1 mass a filter "

@@ -225,7 +225,7 @@ def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):
 
 
 def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, de_fp32: bool,
-         row_group: int = 0, tile_products: bool = False, after_forward: bool = True, shape: float = 1.0) -> float:
+         row_group: int = 0, tile_products: bool = False, after_forward: bool = True, tile_factor: float = 1.0) -> float:
     """The chunked strategy's estimate: recompute of the live tiles, and per live chunk the two
     products plus the traffic of the g block (written, read twice), of dE (read, written) and, with
     row groups, of the fp32 dC[chunk] they sum into (read, written per group) - or the host's time to
@@ -234,13 +234,13 @@ def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, d
     only (``tile_products`` per unit of live-tile share, in place of ``products`` per live chunk).
     ``after_forward``: the host launches the chunks while the device still runs the forward (nothing
     is read back between them: a plan without a map), so only the host time that outlasts the
-    forward's counts. ``shape``: the live tiles' cost relative to the calibration's tiles
+    forward's counts. ``tile_factor``: the live tiles' cost relative to the calibration's tiles
     (:func:`~.base.tile_shape`), for the terms paid per live tile."""
     grouped = 0 < row_group < p.n
     traffic = (1.5 * p.elem * costs.flops_per_byte / p.D + (4 if de_fp32 else 2) * costs.flops_per_byte / max(1, chunk_v)
                + (4 * costs.flops_per_byte / row_group if grouped else 0.0))
-    products = costs.tile_products * shape * live if tile_products else costs.products * live_chunks
-    device = costs.recompute * shape * live + products + live_chunks * traffic
+    products = costs.tile_products * tile_factor * live if tile_products else costs.products * live_chunks
+    device = costs.recompute * tile_factor * live + products + live_chunks * traffic
     n_chunks = -(-p.V // max(1, chunk_v))
     n_groups = -(-p.n // row_group) if grouped else 1
     # (tile products read C's rows and write dC's through the order: only a sum over groups scatters)
@@ -287,13 +287,13 @@ class Chunked(Strategy):
         w, de_fp32, rg = shape(p, v.block_v, v.chunk_v, ctx.budget, ctx.exact, costs)
         # (a mapped plan runs the variant's tiles; an exact one the forward's, as the calibration's exact run)
         shp = tile_shape(costs, v.block_b, v.block_v) if ctx.use_map else 1.0
-        est = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, after_forward=not ctx.use_map, shape=shp)
+        est = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, after_forward=not ctx.use_map, tile_factor=shp)
         mem = extra_bytes(p, w, de_fp32, ctx.use_map, rg)
         sizes = dict(chunk_v=w, row_group=rg, de_fp32=de_fp32, live_chunks=ctx.live_blocks if ctx.use_map else None)
         if n_lists:
             # The products over the live tiles only, where they cost less than cuBLAS's over whole chunks.
             est_t = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, tile_products=True, after_forward=False,
-                         shape=shp)
+                         tile_factor=shp)
             mem_t = extra_bytes(p, w, de_fp32, True, rg, n_lists)
             fits = ctx.budget is None or mem_t <= ctx.budget
             if fits and (est_t < est or (ctx.budget is not None and mem > ctx.budget)):
