@@ -239,6 +239,40 @@ def test_products_by_live_tile_match_cublas_products(converted, every_row, devic
         torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=1e-4)
 
 
+def test_the_skipped_chunks_zeros_take_one_launch(device, no_accuracy_guard, set_costs, planned, monkeypatch):
+    # Products by live tile in one row group: the chunks the host skips (no live tile) get their dC
+    # zeros from one launch after the loop, not a launch each (at Qwen 2.5 0.5B's head on real data,
+    # 57 of 75 chunks: the launches cost the host more than the device's work). So the products
+    # kernel runs once per live chunk and once more, and its gradients are cuBLAS's products' (dC's
+    # skipped rows exactly zero, every element written).
+    from cce_autotune.strategies import chunked
+
+    set_costs(map_ms=0.0, **NO_CHUNK_HOST, pause_share=float("inf"))
+    e, c, t, _ = make_inputs((3, 29), 2100, 45, torch.float32, peaked=2.0, device=device)
+    real = chunked._TileProducts._launch
+    zeros_only = []
+    monkeypatch.setattr(chunked._TileProducts, "_launch", lambda self, *a: zeros_only.append(a[-1]) or real(self, *a))
+    grads = {}
+    for tile_products in (False, True):
+        set_costs(tile_products=0.0 if tile_products else 1e9)
+        kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=64))
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        prime_order(cc, ee, "sorted")
+        zeros_only.clear()
+        with unwritten_is_nan():
+            linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, max_extra_memory=None).backward()
+        plan = planned[-1].call.backward
+        assert plan.use_map and plan.tile_products == tile_products and plan.row_group == 0, plan.describe()
+        grads[tile_products] = ee.grad, cc.grad
+    n_chunks = -(-2100 // plan.chunk_v)
+    live = round(plan.live_chunks * n_chunks)
+    assert 0 < live < n_chunks
+    assert zeros_only.count(False) == live and zeros_only.count(True) == 1
+    assert (grads[False][1] == 0).all(dim=1).sum() > 0  # (rows of skipped chunks)
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[True][1] == 0, grads[False][1] == 0)
+
+
 @pytest.mark.parametrize("strategy", ["sparse", "chunked"], ids=["sparse", "chunked, tile products"])
 def test_mapped_strategies_read_nothing_back(strategy, device, no_accuracy_guard, set_costs, planned, monkeypatch):
     # The strategies that launch from the live grid size their launches by the counts the planner's

@@ -347,8 +347,9 @@ class Chunked(Strategy):
         acc = torch.zeros((N, D), dtype=torch.float32, device=dev) if plan.de_fp32 else de2
         # Every chunk is written unless a map skips it (or no row takes part): then it stays zero, set
         # once here rather than one scatter (and a host-to-device copy) per skipped chunk. With tile
-        # products in one row group, dC's kernel writes a skipped chunk's zeros instead (one launch that
-        # reads nothing: a fill of all of dC moves 1.1 GiB at Gemma 2's head).
+        # products in one row group, dC's kernel writes the skipped chunks' zeros instead (one launch for
+        # all of them, after the loop, that reads nothing: a fill of all of dC moves 1.1 GiB at Gemma 2's
+        # head; a launch per skipped chunk cost the host more than the device's work, stop 57).
         groups = _row_groups(e, rows, plan.row_group, variant.block_b, N)
         zeros_by_kernel = plan.tile_products and n > 0 and len(groups) == 1
         skips = (chunks is not None or n == 0) and not zeros_by_kernel
@@ -467,14 +468,13 @@ def _run_chunks(loop: _Chunks) -> None:
     # Products by live tile: the lists once a call, from the live grid (on the device).
     products = None if loop.tile_live is None else \
         _TileProducts(variant, loop.kernel_flags, loop.tile_live, W, loop.row_group)
+    skipped = False
     for k in range(cdiv(V, W)):
         lo = k * W
         w = min(W, V - lo)
         todo = [j for j in range(len(groups)) if chunks is None or chunks[k * len(groups) + j]]
         if not todo:  # no live tile: every gradient of the chunk is negligible
-            if zeros_by_kernel:
-                products.run(k, 0, groups[0].n, lo, views[0][2][:, :w], c_read, perm, acc, views[0][0], dc,
-                             out_local=False, accumulate=False, de=False)
+            skipped = True
             continue
         chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None  # (into c_buf)
         c_arg = c if chunk is None else chunk
@@ -521,13 +521,16 @@ def _run_chunks(loop: _Chunks) -> None:
                 dc[lo : lo + w] = dc_part[:w]
             else:
                 dc[cols] = dc_part[:w].to(dc.dtype)
+    if skipped and zeros_by_kernel:  # the skipped chunks' dC zeros, one launch for all of them
+        products.zeros(groups[0].n, V, views[0][2], c_read, perm, acc, views[0][0], dc)
 
 
 class _TileProducts:
     """The products of one call by live tile (see :func:`live_lists`): ``run`` launches, for chunk k
     and row group j, one kernel whose programs form dE's part (a program per row block and slice of D,
     over the block's live tiles of the chunk) and dC's (a program per tile and slice of D, over the
-    tile's live row blocks of the group). Slices of ``variant.out_block_d`` columns of D, steps of
+    tile's live row blocks of the group); ``zeros``, once after the loop, writes the dC zeros of every
+    chunk the host skipped (one row group). Slices of ``variant.out_block_d`` columns of D, steps of
     :data:`PRODUCT_K` along the sum. The kernel and its lists are made at the first ``run``: after
     the first chunk's gradient kernel is launched, so that the device starts on it while the host
     builds them (after the backward's read-back, the device waits for the host's first launch)."""
@@ -537,6 +540,7 @@ class _TileProducts:
         self.variant, self.kernel_flags, self.live = variant, kernel_flags, live
         self.kernel = None
         self.rg = row_group // bb if 0 < row_group < live.shape[0] * bb else live.shape[0]
+        self.chunk_w = chunk_w
         self.cb = -(-chunk_w // bv)  # tiles per chunk (whole tiles, or the one chunk of the vocabulary)
         self.K = -(-live.shape[1] // self.cb)  # chunks
         self.bb, self.bv, self.bdo = bb, bv, variant.out_block_d
@@ -544,17 +548,27 @@ class _TileProducts:
         self.launch = dict(num_warps=4 if self.bdo <= 128 else 8, num_stages=4 if self.bdo <= 128 else 3)
 
     def run(self, k: int, j: int, n_rows: int, lo: int, g, c, perm, acc, e_rows, out, out_local: bool,
-            accumulate: bool, de: bool = True) -> None:
+            accumulate: bool) -> None:
         """Chunk k (walked positions lo ..) and row group j (``n_rows`` rows): ``acc`` (the group's rows
         of the dE accumulator) += g C[chunk], ``out`` (dC, or with ``out_local`` the chunk's own
         rows) (+)= g^T E (``e_rows``: the group's rows); ``c``: the classifier as the gradient kernel
-        reads it (or the chunk converted), ``perm``: the walked order (or None). Without ``de``, dC's
-        part alone: for a chunk without a live tile in group j, it writes the chunk's rows of ``out``
-        as zeros (reading nothing of ``g``)."""
+        reads it (or the chunk converted), ``perm``: the walked order (or None)."""
+        self._launch(k, j, n_rows, lo, g.shape[1], g, c, perm, acc, e_rows, out, out_local, accumulate, True, False)
+
+    def zeros(self, n_rows: int, V: int, g, c, perm, acc, e_rows, out) -> None:
+        """One launch over every tile of the vocabulary (one row group): ``out`` (dC) gets the zeros of
+        each tile without a live row block, which covers every chunk the host skipped; the other tiles
+        are left to their chunks' launches (a chunk holds whole tiles, so tile t of chunk k is tile
+        k x tiles per chunk + t of the vocabulary). Nothing of ``g`` is read."""
+        if self.K > 1 and self.cb * self.bv != self.chunk_w:
+            raise ValueError(f"chunks of {self.chunk_w} columns are not whole tiles of {self.bv}")
+        self._launch(0, 0, n_rows, 0, V, g, c, perm, acc, e_rows, out, False, False, False, True)
+
+    def _launch(self, k, j, n_rows, lo, w, g, c, perm, acc, e_rows, out, out_local, accumulate, de, zeros_only):
         if self.kernel is None:
             self.kernel = load_kernel(self.variant, self.kernel_flags, name="cce_chunk_products_kernel").series()
             self.row_idx, self.row_cnt, self.col_idx, self.col_cnt = live_lists(self.live, self.cb, self.rg)
-        w, D = g.shape[1], e_rows.shape[1]
+        D = e_rows.shape[1]
         n_d = cdiv(D, self.bdo)
         n_de = cdiv(n_rows, self.bb) * n_d if de else 0
         first = j * self.rg  # the group's first row block
@@ -566,7 +580,7 @@ class _TileProducts:
             (first * self.K + k) * self.cb, first * self.K + k, self.K * self.cb, self.K,
             (j * tiles + k * self.cb) * self.rg, j * tiles + k * self.cb, self.rg, n_de,
             BLOCK_B=self.bb, BLOCK_V=self.bv, BLOCK_K_DE=min(PRODUCT_K, self.bv), BLOCK_K_DC=min(PRODUCT_K, self.bb),
-            BLOCK_DO=self.bdo, OUT_LOCAL=out_local, ACCUMULATE=accumulate, **self.launch)
+            BLOCK_DO=self.bdo, OUT_LOCAL=out_local, ACCUMULATE=accumulate, ZEROS_ONLY=zeros_only, **self.launch)
 
 
 @dataclass
