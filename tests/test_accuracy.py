@@ -646,6 +646,28 @@ def test_a_call_like_the_previous_one_reads_nothing_back(device, monkeypatch, se
     assert rel_err(grads[5], ee.grad) > 1e-5  # the new verdict's filter skips tiles again
 
 
+@pytest.mark.parametrize("launch_ms, readback_ms, unread", [(0.0, 0.6, True), (1.0, 0.0, False), (1.0, 1e3, True)],
+                         ids=["launches free", "read-back free", "read-back dear"])
+def test_a_steady_call_reads_back_where_launching_every_chunk_costs_more(launch_ms, readback_ms, unread, device,
+                                                                         monkeypatch, set_costs, planned):
+    # Planned on the previous call's measurements, the chunked loop launches every chunk (the host has
+    # no list of the live ones); read back, it launches the live ones but the device waits for the
+    # host. The planner prices both on the same shares and takes the cheaper.
+    e, c, t, _ = make_inputs((64,), 1024, 32, torch.float32, peaked=4.0, seed=5, device=device)
+    monkeypatch.setattr(filters, "MAX_ERROR", 1.0)
+    set_costs(max_dropped=math.inf, pause_share=math.inf, tile_products=0.0, tile_chunk_ms=launch_ms,
+              chunk_ms=2 * launch_ms, gather_chunk_ms=0.0, readback_ms=readback_ms)
+    prime_order(c, e, "sorted")
+    kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-3, strategy="chunked", chunk_v=64))
+    ee = e.clone().requires_grad_()
+    for _ in range(4):
+        ee.grad = None
+        linear_cross_entropy(ee, c, t, impl="triton", variants=kv).backward()
+    plan = planned[-1].call.backward
+    assert plan.use_map and plan.tile_products and 0 < plan.live_chunks < 1, plan.describe()
+    assert ("nothing read back" in plan.reason) == unread, plan.reason
+
+
 @pytest.mark.gpu
 def test_a_steady_default_call_makes_no_host_sync(monkeypatch, set_costs, planned):
     # On the GPU: once a classifier's verdict and measurements are in place, a whole fw+bw call of the

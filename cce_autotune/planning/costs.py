@@ -35,6 +35,10 @@ COMMON = (
                 "270 and 272)"),
     Coefficient("map_ms", 1.5, "a mapped backward's fixed cost: the sort key, the live grid, the host copy, the "
                 "target terms"),
+    Coefficient("readback_ms", 0.6, "the device's wait when a mapped backward reads its measurements back: the host "
+                "waits for the forward, reads the copy and plans before its first launch (0.55-0.74 ms gaps on an "
+                "H100's host, benchmarks/NOTES.md row 280); a call planned on the previous call's measurements "
+                "instead launches every block"),
     Coefficient("max_dropped", 0.18, "the dropped-mass guard: the largest share of the gradient's L1 mass a filter "
                 "may drop by the tile map's bound (above it the filter is lowered)"),
     Coefficient("pause_share", 0.93, "filtering pays only when the forward and a mapped backward are estimated below "

@@ -746,16 +746,17 @@ class Measurement:
 
 
 def _settle(p: CallProblem, variant, filter_eps, eps, has_map: bool, shares: Shares, *, budget, costs,
-            fused_allowed: bool, deterministic: bool, correction: bool) -> Decision:
+            fused_allowed: bool, deterministic: bool, correction: bool, listed: bool = True) -> Decision:
     """:func:`decide`'s plan from the measured ``shares`` at filter ``eps`` (lowered from ``filter_eps``
-    by the guard, or equal): the strategy, its sizes, the pause; the live grid is the caller's."""
+    by the guard, or equal): the strategy, its sizes, the pause; the live grid is the caller's.
+    ``listed``: the host has the live blocks (see :func:`plan_backward`)."""
     exact = filter_eps is None
     # A backward that filters nothing walks the natural order (no sorted chunks of C to gather): it is
     # planned, and its memory counted, as such.
     natural = replace(p, sorted_vocab=False)
     plan = plan_backward(natural if exact else p, variant, has_map=has_map, live=shares.live,
                          live_blocks=shares.blocks, budget=budget, costs=costs, exact=exact, deterministic=deterministic,
-                         correction=correction)
+                         correction=correction, listed=listed)
     if eps != filter_eps:
         plan = replace(plan, filter_eps=eps, reason=f"filter_eps lowered to {eps:.2g} (at {filter_eps:.2g} the filter "
                                                     f"would drop more than {costs.max_dropped:g} of the gradient's "
@@ -781,7 +782,10 @@ def decide_unread(p: CallProblem, variant, eps: float, ev: Evidence, verdict, *,
     or None where it cannot be: the backward is planned on the classifier's previous call's
     measurements (of the same shape, variant, filter and rows' storage, under the same verdict, whose
     guard and fingerprint held), where that plan runs from the device's live grid alone (:meth:`Strategy.unlisted
-    <cce_autotune.strategies.base.Strategy.unlisted>`; or is the pause's exact plan). This call's own
+    <cce_autotune.strategies.base.Strategy.unlisted>`; or is the pause's exact plan), and costs less than
+    reading the measurements back would: without the host's list every block is launched, with it
+    the device waits ``readback_ms`` for the host (the cost model's; each plan priced on the same
+    shares). This call's own
     measurements go to the host without a wait (``measured``: for the next call); where its dropped-mass guard or
     its fingerprint fails, every tile of its live grid is made live on the device (the gradients are
     then exact) and the next call measures and checks afresh."""
@@ -792,9 +796,12 @@ def decide_unread(p: CallProblem, variant, eps: float, ev: Evidence, verdict, *,
     prev = memory.measured(c)
     if prev is None or prev.key != key or prev.verdict is not verdict or not prev.held():
         return None
-    out = _settle(p, variant, eps, eps, True, prev.layout.read(prev.values()), budget=budget, costs=costs,
-                  fused_allowed=fused_allowed, deterministic=deterministic, correction=correction)
+    shares = prev.layout.read(prev.values())
+    out, read = (_settle(p, variant, eps, eps, True, shares, budget=budget, costs=costs, fused_allowed=fused_allowed,
+                         deterministic=deterministic, correction=correction, listed=listed) for listed in (False, True))
     if out.plan.use_map and not strategies.get(out.plan.strategy).unlisted(out.plan):
+        return None
+    if read.plan.cost + costs.readback_ms / mm_ms(p, costs) < out.plan.cost:
         return None
     reason = "planned on the previous call's live shares (nothing read back); "
     out = out._replace(plan=replace(out.plan, reason=reason + out.plan.reason), blocks=None, columns=None)
@@ -811,7 +818,7 @@ def decide_unread(p: CallProblem, variant, eps: float, ev: Evidence, verdict, *,
 # -- the choice of a strategy --------------------------------------------------------------------
 def plan_backward(p: CallProblem, variant, *, has_map: bool, live: float | None = None, live_blocks=None,
                   budget: int | None = None, costs, exact: bool = False, deterministic: bool = False,
-                  correction: bool = False) -> BackwardPlan:
+                  correction: bool = False, listed: bool = True) -> BackwardPlan:
     """The strategy and sizes for one backward, given the live shares.
 
     ``variant``: the call's :class:`~cce_autotune.variant.BackwardVariant` (block sizes, chunk_v, and
@@ -820,15 +827,17 @@ def plan_backward(p: CallProblem, variant, *, has_map: bool, live: float | None 
     measured; ``live_blocks``: the share of each strategy's blocks that hold a live tile (a mapping
     by strategy name, or one share for all; None: all live). ``deterministic``: only strategies whose
     sums use no float atomics (the same bits every run). ``correction``: only strategies that take
-    the dead-tile correction (a filter that needs it runs there)."""
+    the dead-tile correction (a filter that needs it runs there). ``listed``: the host will have the
+    live blocks (the call's measurements read back); False: it launches every block
+    (:attr:`~cce_autotune.strategies.base.PlanContext.listed`)."""
     blocks = tuple(sorted(live_blocks.items())) if isinstance(live_blocks, dict) else live_blocks
     return _plan_backward(p, variant, has_map, live, blocks, budget, costs, exact, deterministic, correction,
-                          strategies.generation())
+                          listed, strategies.generation())
 
 
 @lru_cache(maxsize=1024)  # pure: a steady loop asks for the same plans at every call (host time is a cost)
 def _plan_backward(p: CallProblem, variant, has_map: bool, live, blocks, budget, costs, exact: bool,
-                   deterministic: bool, correction: bool, generation: int) -> BackwardPlan:
+                   deterministic: bool, correction: bool, listed: bool, generation: int) -> BackwardPlan:
     """:func:`plan_backward`, kept per arguments (``blocks``: ``live_blocks`` as a tuple of items where
     it is a mapping) and per :func:`cce_autotune.strategies.generation`."""
     live_blocks = dict(blocks) if isinstance(blocks, tuple) else blocks
@@ -845,7 +854,7 @@ def _plan_backward(p: CallProblem, variant, has_map: bool, live, blocks, budget,
         share = live_blocks.get(s.name) if isinstance(live_blocks, dict) else live_blocks
         ctx = PlanContext(problem=p, variant=variant, costs=costs, budget=budget, use_map=use_map, live=L,
                           live_blocks=float(share) if use_map and share is not None else 1.0, n_live=n_live,
-                          fixed=fixed, exact=exact)
+                          fixed=fixed, exact=exact, listed=listed)
         opt = s.option(ctx)
         if opt is not None:
             options[s.name] = opt

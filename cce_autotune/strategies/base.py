@@ -53,6 +53,9 @@ class PlanContext:
     n_live: int  # live tiles at the variant's tiling
     fixed: float  # a mapped backward's fixed cost, in matmuls (0 without a map)
     exact: bool  # no filter: every tile is computed
+    # The host has the strategy's live blocks (read back with the call's measurements) and launches
+    # only those; False: nothing was read back, and every block is launched (Strategy.unlisted).
+    listed: bool = True
 
 
 def mm_ms(p: CallProblem, costs) -> float:

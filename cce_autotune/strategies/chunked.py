@@ -225,7 +225,8 @@ def chunk_grid(live_grid, chunk_v: int, block_v: int, group_blocks: int = 0):
 
 
 def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, de_fp32: bool,
-         row_group: int = 0, tile_products: bool = False, after_forward: bool = True, tile_factor: float = 1.0) -> float:
+         row_group: int = 0, tile_products: bool = False, after_forward: bool = True, tile_factor: float = 1.0,
+         launched: float | None = None) -> float:
     """The chunked strategy's estimate: recompute of the live tiles, and per live chunk the two
     products plus the traffic of the g block (written, read twice), of dE (read, written) and, with
     row groups, of the fp32 dC[chunk] they sum into (read, written per group) - or the host's time to
@@ -233,9 +234,12 @@ def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, d
     blocks that hold a live tile. ``tile_products``: the products are formed over the live tiles
     only (``tile_products`` per unit of live-tile share, in place of ``products`` per live chunk).
     ``after_forward``: the host launches the chunks while the device still runs the forward (nothing
-    is read back between them: a plan without a map), so only the host time that outlasts the
-    forward's counts. ``tile_factor``: the live tiles' cost relative to the calibration's tiles
-    (:func:`~.base.tile_shape`), for the terms paid per live tile."""
+    is read back between them: a plan without a map, or one planned on the previous call's shares),
+    so only the host time that outlasts the forward's counts. ``tile_factor``: the live tiles' cost
+    relative to the calibration's tiles (:func:`~.base.tile_shape`), for the terms paid per live tile.
+    ``launched``: the share of the blocks the host launches, where it is not ``live_chunks`` (1: it
+    has no list of the live ones and launches every block, whose programs find the dead tiles on
+    the device)."""
     grouped = 0 < row_group < p.n
     traffic = (1.5 * p.elem * costs.flops_per_byte / p.D + (4 if de_fp32 else 2) * costs.flops_per_byte / max(1, chunk_v)
                + (4 * costs.flops_per_byte / row_group if grouped else 0.0))
@@ -246,7 +250,8 @@ def cost(p: CallProblem, costs, live: float, live_chunks: float, chunk_v: int, d
     # (tile products read C's rows and write dC's through the order: only a sum over groups scatters)
     gather = costs.gather_chunk_ms if p.sorted_vocab and (grouped or not tile_products) else 0.0
     per_chunk = costs.tile_chunk_ms if tile_products else costs.chunk_ms  # (and row group)
-    host = live_chunks * n_chunks * (per_chunk * n_groups + gather) / mm_ms(p, costs)
+    launches = live_chunks if launched is None else launched
+    host = launches * n_chunks * (per_chunk * n_groups + gather) / mm_ms(p, costs)
     return max(device, host - costs.forward if after_forward else host)
 
 
@@ -292,8 +297,9 @@ class Chunked(Strategy):
         sizes = dict(chunk_v=w, row_group=rg, de_fp32=de_fp32, live_chunks=ctx.live_blocks if ctx.use_map else None)
         if n_lists:
             # The products over the live tiles only, where they cost less than cuBLAS's over whole chunks.
-            est_t = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, tile_products=True, after_forward=False,
-                         tile_factor=shp)
+            # (nothing read back: every chunk launched, while the device still runs the forward)
+            est_t = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, tile_products=True,
+                         after_forward=not ctx.listed, tile_factor=shp, launched=None if ctx.listed else 1.0)
             mem_t = extra_bytes(p, w, de_fp32, True, rg, n_lists)
             fits = ctx.budget is None or mem_t <= ctx.budget
             if fits and (est_t < est or (ctx.budget is not None and mem > ctx.budget)):
