@@ -797,10 +797,12 @@ def decide_unread(p: CallProblem, variant, eps: float, ev: Evidence, verdict, *,
     if prev is None or prev.key != key or prev.verdict is not verdict or not prev.held():
         return None
     shares = prev.layout.read(prev.values())
-    out, read = (_settle(p, variant, eps, eps, True, shares, budget=budget, costs=costs, fused_allowed=fused_allowed,
-                         deterministic=deterministic, correction=correction, listed=listed) for listed in (False, True))
+    settle = dict(budget=budget, costs=costs, fused_allowed=fused_allowed, deterministic=deterministic,
+                  correction=correction)
+    out = _settle(p, variant, eps, eps, True, shares, listed=False, **settle)
     if out.plan.use_map and not strategies.get(out.plan.strategy).unlisted(out.plan):
         return None
+    read = _settle(p, variant, eps, eps, True, shares, listed=True, **settle)
     if read.plan.cost + costs.readback_ms / mm_ms(p, costs) < out.plan.cost:
         return None
     reason = "planned on the previous call's live shares (nothing read back); "

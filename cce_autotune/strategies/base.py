@@ -148,9 +148,9 @@ class Strategy:
 
     def unlisted(self, plan) -> bool:
         """Whether ``plan`` (a mapped :class:`~cce_autotune.plans.BackwardPlan` of this strategy) runs
-        from the device's live grid alone, as fast as with the host's lists (``args.blocks`` and
+        from the device's live grid alone, without the host's lists (``args.blocks`` and
         ``args.columns`` None): its launches are sized for every block and its programs skip the dead
-        ones on the device. The planner may then plan the call on the previous call's measurements,
+        ones on the device (what those launches cost is priced with ``PlanContext.listed`` False). The planner may then plan the call on the previous call's measurements,
         with nothing read back."""
         return False
 

@@ -292,7 +292,9 @@ class Chunked(Strategy):
         w, de_fp32, rg = shape(p, v.block_v, v.chunk_v, ctx.budget, ctx.exact, costs)
         # (a mapped plan runs the variant's tiles; an exact one the forward's, as the calibration's exact run)
         shp = tile_shape(costs, v.block_b, v.block_v) if ctx.use_map else 1.0
-        est = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, after_forward=not ctx.use_map, tile_factor=shp)
+        # (cuBLAS's products without the host's list: every chunk launched and formed, as the run does)
+        est = cost(p, costs, ctx.live, ctx.live_blocks if ctx.listed else 1.0, w, de_fp32, rg,
+                   after_forward=not (ctx.use_map and ctx.listed), tile_factor=shp)
         mem = extra_bytes(p, w, de_fp32, ctx.use_map, rg)
         sizes = dict(chunk_v=w, row_group=rg, de_fp32=de_fp32, live_chunks=ctx.live_blocks if ctx.use_map else None)
         if n_lists:
@@ -320,7 +322,7 @@ class Chunked(Strategy):
 
     def unlisted(self, plan) -> bool:
         # With tile products, a chunk without a live tile costs two launches whose programs find
-        # nothing live (dC's write the chunk's zeros, as they do for a chunk the host skips).
+        # nothing live (dC's write the chunk's zeros).
         return plan.tile_products
 
     def run(self, args: BackwardArgs, plan) -> tuple:
@@ -473,7 +475,7 @@ def _run_chunks(loop: _Chunks) -> None:
     kernel = load_kernel(variant, loop.kernel_flags).series()  # (a launch per chunk: see launch.Series)
     # Products by live tile: the lists once a call, from the live grid (on the device).
     products = None if loop.tile_live is None else \
-        _TileProducts(variant, loop.kernel_flags, loop.tile_live, W, loop.row_group)
+        _TileProducts(variant, loop.kernel_flags, loop.tile_live, W, loop.row_group, V)
     skipped = False
     for k in range(cdiv(V, W)):
         lo = k * W
@@ -541,12 +543,13 @@ class _TileProducts:
     the first chunk's gradient kernel is launched, so that the device starts on it while the host
     builds them (after the backward's read-back, the device waits for the host's first launch)."""
 
-    def __init__(self, variant, kernel_flags, live, chunk_w: int, row_group: int):
+    def __init__(self, variant, kernel_flags, live, chunk_w: int, row_group: int, V: int):
         bb, bv = variant.block_b, variant.block_v
+        if chunk_w < V and chunk_w % bv:  # (the lists, and the zeros' launch, count a chunk's tiles from k x cb)
+            raise ValueError(f"chunks of {chunk_w} columns are not whole tiles of {bv}")
         self.variant, self.kernel_flags, self.live = variant, kernel_flags, live
         self.kernel = None
         self.rg = row_group // bb if 0 < row_group < live.shape[0] * bb else live.shape[0]
-        self.chunk_w = chunk_w
         self.cb = -(-chunk_w // bv)  # tiles per chunk (whole tiles, or the one chunk of the vocabulary)
         self.K = -(-live.shape[1] // self.cb)  # chunks
         self.bb, self.bv, self.bdo = bb, bv, variant.out_block_d
@@ -566,8 +569,6 @@ class _TileProducts:
         each tile without a live row block, which covers every chunk the host skipped; the other tiles
         are left to their chunks' launches (a chunk holds whole tiles, so tile t of chunk k is tile
         k x tiles per chunk + t of the vocabulary). Nothing of ``g`` is read."""
-        if self.K > 1 and self.cb * self.bv != self.chunk_w:
-            raise ValueError(f"chunks of {self.chunk_w} columns are not whole tiles of {self.bv}")
         self._launch(0, 0, n_rows, 0, V, g, c, perm, acc, e_rows, out, False, False, False, True)
 
     def _launch(self, k, j, n_rows, lo, w, g, c, perm, acc, e_rows, out, out_local, accumulate, de, zeros_only):
