@@ -292,16 +292,19 @@ class Chunked(Strategy):
         w, de_fp32, rg = shape(p, v.block_v, v.chunk_v, ctx.budget, ctx.exact, costs)
         # (a mapped plan runs the variant's tiles; an exact one the forward's, as the calibration's exact run)
         shp = tile_shape(costs, v.block_b, v.block_v) if ctx.use_map else 1.0
+        # Nothing read back between the forward and the backward (no map, or the host without the
+        # list of live chunks): the host launches the chunks while the device still runs the forward.
+        after_forward = not (ctx.use_map and ctx.listed)
         # (cuBLAS's products without the host's list: every chunk launched and formed, as the run does)
         est = cost(p, costs, ctx.live, ctx.live_blocks if ctx.listed else 1.0, w, de_fp32, rg,
-                   after_forward=not (ctx.use_map and ctx.listed), tile_factor=shp)
+                   after_forward=after_forward, tile_factor=shp)
         mem = extra_bytes(p, w, de_fp32, ctx.use_map, rg)
         sizes = dict(chunk_v=w, row_group=rg, de_fp32=de_fp32, live_chunks=ctx.live_blocks if ctx.use_map else None)
         if n_lists:
             # The products over the live tiles only, where they cost less than cuBLAS's over whole chunks.
-            # (nothing read back: every chunk launched, while the device still runs the forward)
+            # (without the host's list every chunk is launched; its programs find the dead tiles)
             est_t = cost(p, costs, ctx.live, ctx.live_blocks, w, de_fp32, rg, tile_products=True,
-                         after_forward=not ctx.listed, tile_factor=shp, launched=None if ctx.listed else 1.0)
+                         after_forward=after_forward, tile_factor=shp, launched=None if ctx.listed else 1.0)
             mem_t = extra_bytes(p, w, de_fp32, True, rg, n_lists)
             fits = ctx.budget is None or mem_t <= ctx.budget
             if fits and (est_t < est or (ctx.budget is not None and mem > ctx.budget)):
@@ -562,22 +565,23 @@ class _TileProducts:
         of the dE accumulator) += g C[chunk], ``out`` (dC, or with ``out_local`` the chunk's own
         rows) (+)= g^T E (``e_rows``: the group's rows); ``c``: the classifier as the gradient kernel
         reads it (or the chunk converted), ``perm``: the walked order (or None)."""
-        self._launch(k, j, n_rows, lo, g.shape[1], g, c, perm, acc, e_rows, out, out_local, accumulate, True, False)
+        self._launch(k, j, n_rows, lo, g.shape[1], g, c, perm, acc, e_rows, out, out_local, accumulate, False)
 
     def zeros(self, n_rows: int, V: int, g, c, perm, acc, e_rows, out) -> None:
         """One launch over every tile of the vocabulary (one row group): ``out`` (dC) gets the zeros of
         each tile without a live row block, which covers every chunk the host skipped; the other tiles
         are left to their chunks' launches (a chunk holds whole tiles, so tile t of chunk k is tile
         k x tiles per chunk + t of the vocabulary). Nothing of ``g`` is read."""
-        self._launch(0, 0, n_rows, 0, V, g, c, perm, acc, e_rows, out, False, False, False, True)
+        self._launch(0, 0, n_rows, 0, V, g, c, perm, acc, e_rows, out, False, False, True)
 
-    def _launch(self, k, j, n_rows, lo, w, g, c, perm, acc, e_rows, out, out_local, accumulate, de, zeros_only):
+    def _launch(self, k, j, n_rows, lo, w, g, c, perm, acc, e_rows, out, out_local, accumulate, zeros_only):
+        # (zeros_only: dC's programs alone, n_de = 0)
         if self.kernel is None:
             self.kernel = load_kernel(self.variant, self.kernel_flags, name="cce_chunk_products_kernel").series()
             self.row_idx, self.row_cnt, self.col_idx, self.col_cnt = live_lists(self.live, self.cb, self.rg)
         D = e_rows.shape[1]
         n_d = cdiv(D, self.bdo)
-        n_de = cdiv(n_rows, self.bb) * n_d if de else 0
+        n_de = 0 if zeros_only else cdiv(n_rows, self.bb) * n_d
         first = j * self.rg  # the group's first row block
         tiles = self.K * self.cb
         self.kernel[(n_de + cdiv(w, self.bv) * n_d,)](
