@@ -63,9 +63,10 @@ def extra_bytes(p: CallProblem, chunk_v: int, de_fp32: bool, use_map: bool, row_
     if de_fp32:
         b += 4 * p.n_all * p.D
     if p.sorted_vocab and not list_tiles:
-        b += 2 * p.elem * w * p.D  # C[chunk] gathered, dC[chunk] before its scatter
+        b += 2 * p.elem * w * p.D + 8 * p.V  # C[chunk] gathered, dC[chunk] before its scatter; the order, int64
     elif p.sorted_vocab and grouped:
-        b += p.elem * w * p.D  # (tile products read C and write dC through the order) the summed dC[chunk] cast
+        # (tile products read C and write dC through the order) the summed dC[chunk] cast; the order, int64
+        b += p.elem * w * p.D + 8 * p.V
     if not p.e_view:
         b += p.elem * p.n_all * p.D  # E copied into a matrix
     if not use_map:
@@ -479,6 +480,18 @@ def _run_chunks(loop: _Chunks) -> None:
     # Products by live tile: the lists once a call, from the live grid (on the device).
     products = None if loop.tile_live is None else \
         _TileProducts(variant, loop.kernel_flags, loop.tile_live, W, loop.row_group, V)
+    # In the order the forward walked, each chunk's rows of C are gathered for cuBLAS and its rows of
+    # dC scattered back: the order's int64 indices are made once and the two buffers reused, so that
+    # the gather and the scatter are one op each and nothing is allocated a chunk (a live chunk's host
+    # time is this loop's price where the device's work per chunk is short).
+    # (tile products read C's rows and write dC's through the order: nothing gathered, but a sum over
+    # row groups, or a deterministic dbias, scattered)
+    gathers = products is None or dc_part is not None or (deterministic and dbias is not None)
+    order = perm.long() if perm is not None and gathers else None
+    c_rows = torch.empty((W, D), dtype=c.dtype, device=dev) if order is not None and products is None \
+        and c_buf is None else None
+    dc_rows = torch.empty((W, D), dtype=dc.dtype, device=dev) if order is not None and products is None \
+        and dc_part is None else None
     skipped = False
     for k in range(cdiv(V, W)):
         lo = k * W
@@ -489,12 +502,9 @@ def _run_chunks(loop: _Chunks) -> None:
             continue
         chunk = convert_rows(c, lo, w, perm, c_buf) if c_buf is not None else None  # (into c_buf)
         c_arg = c if chunk is None else chunk
-        # (tile products read C's rows and write dC's through the order: nothing gathered, but a
-        # sum over row groups, or a deterministic dbias, scattered)
-        gathers = products is None or dc_part is not None or (deterministic and dbias is not None)
-        cols = perm[lo : lo + w].long() if perm is not None and gathers else None
-        c_k = None if products is not None else \
-            chunk if chunk is not None else (c[lo : lo + w] if cols is None else c[cols])
+        cols = order[lo : lo + w] if order is not None else None
+        c_k = None if products is not None else chunk if chunk is not None else \
+            c[lo : lo + w] if cols is None else torch.index_select(c, 0, cols, out=c_rows[:w])
         if dc_part is not None and products is None:  # (the first group's tile products write it)
             dc_part[:w].zero_()
         for j in todo:
@@ -518,9 +528,8 @@ def _run_chunks(loop: _Chunks) -> None:
                 elif cols is None:
                     mm_out(g.T, e_rows, dc[lo : lo + w])
                 else:
-                    part = torch.empty((w, D), dtype=dc.dtype, device=dev)
-                    mm_out(g.T, e_rows, part)
-                    dc[cols] = part
+                    mm_out(g.T, e_rows, dc_rows[:w])
+                    dc.index_copy_(0, cols, dc_rows[:w])
             if deterministic and dbias is not None:
                 part_b = g.sum(0, dtype=torch.float32)
                 if cols is None:
@@ -531,7 +540,7 @@ def _run_chunks(loop: _Chunks) -> None:
             if cols is None:
                 dc[lo : lo + w] = dc_part[:w]
             else:
-                dc[cols] = dc_part[:w].to(dc.dtype)
+                dc.index_copy_(0, cols, dc_part[:w].to(dc.dtype))
     if skipped and zeros_by_kernel:  # the skipped chunks' dC zeros, one launch for all of them
         products.zeros(groups[0].n, V, views[0][2], c_read, perm, acc, views[0][0], dc)
 
