@@ -273,6 +273,40 @@ def test_the_skipped_chunks_zeros_take_one_launch(device, no_accuracy_guard, set
     torch.testing.assert_close(grads[True][1] == 0, grads[False][1] == 0)
 
 
+def test_the_walked_order_gathers_and_scatters_a_chunk_in_one_op_each(device, no_accuracy_guard, set_costs, planned,
+                                                                        monkeypatch):
+    # With cuBLAS's products in the order the forward walked, each live chunk gathers its rows of C
+    # and scatters its rows of dC with one op each, through buffers made once a call (where a chunk's
+    # device work is short, its host ops set the loop's pace: stop 58); the gradients are those of the
+    # products by live tile, which read C's rows and write dC's through the order (nothing gathered:
+    # no gather or scatter at all in one row group), and every element of dC is written.
+    set_costs(map_ms=0.0, **NO_CHUNK_HOST, pause_share=float("inf"))
+    e, c, t, _ = make_inputs((3, 29), 2100, 45, torch.float32, peaked=2.0, device=device)
+    ops = []
+    select, copy = torch.index_select, torch.Tensor.index_copy_
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: ops.append("gather") or select(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: ops.append("scatter") or copy(self, *a))
+    grads = {}
+    for tile_products in (False, True):
+        set_costs(tile_products=0.0 if tile_products else 1e9)
+        kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=64))
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        prime_order(cc, ee, "sorted")
+        ops.clear()
+        with unwritten_is_nan():
+            linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, max_extra_memory=None).backward()
+        plan = planned[-1].call.backward
+        assert plan.use_map and plan.tile_products == tile_products and plan.row_group == 0, plan.describe()
+        grads[tile_products] = ee.grad, cc.grad
+        if tile_products:
+            assert ops == []
+        else:
+            live = round(plan.live_chunks * -(-2100 // plan.chunk_v))
+            assert 0 < live < -(-2100 // plan.chunk_v)
+            assert ops.count("gather") == live and ops.count("scatter") == live, ops
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("strategy", ["sparse", "chunked"], ids=["sparse", "chunked, tile products"])
 def test_mapped_strategies_read_nothing_back(strategy, device, no_accuracy_guard, set_costs, planned, monkeypatch):
     # The strategies that launch from the live grid size their launches by the counts the planner's
