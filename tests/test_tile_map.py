@@ -239,26 +239,21 @@ def test_products_by_live_tile_match_cublas_products(converted, every_row, devic
         torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=1e-4)
 
 
-def test_the_skipped_chunks_zeros_take_one_launch(device, no_accuracy_guard, set_costs, planned, monkeypatch):
-    # Products by live tile in one row group: the chunks the host skips (no live tile) get their dC
-    # zeros from one launch after the loop, not a launch each (at Qwen 2.5 0.5B's head on real data,
-    # 57 of 75 chunks: the launches cost the host more than the device's work). So the products
-    # kernel runs once per live chunk and once more, and its gradients are cuBLAS's products' (dC's
-    # skipped rows exactly zero, every element written).
-    from cce_autotune.strategies import chunked
-
+def _both_products_skipping_chunks(device, set_costs, planned, log: list) -> dict:
+    """The chunked strategy in the order the forward walked (sorted), in one row group, with whole
+    chunks dead (chunks of 64, filter 2^-6): run with cuBLAS's products, then with the products by live
+    tile, on the same inputs under a NaN-poisoned ``torch.empty``. Before each run ``log`` gets a fresh
+    list (``log[-1]``: what a test's patched function records during that run). Returns
+    ``{tile_products: (dE, dC)}`` and the live chunks' count (whole chunks are skipped: asserted)."""
     set_costs(map_ms=0.0, **NO_CHUNK_HOST, pause_share=float("inf"))
     e, c, t, _ = make_inputs((3, 29), 2100, 45, torch.float32, peaked=2.0, device=device)
-    real = chunked._TileProducts._launch
-    zeros_only = []
-    monkeypatch.setattr(chunked._TileProducts, "_launch", lambda self, *a: zeros_only.append(a[-1]) or real(self, *a))
     grads = {}
     for tile_products in (False, True):
         set_costs(tile_products=0.0 if tile_products else 1e9)
         kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=64))
         ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
         prime_order(cc, ee, "sorted")
-        zeros_only.clear()
+        log.append([])
         with unwritten_is_nan():
             linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, max_extra_memory=None).backward()
         plan = planned[-1].call.backward
@@ -267,7 +262,22 @@ def test_the_skipped_chunks_zeros_take_one_launch(device, no_accuracy_guard, set
     n_chunks = -(-2100 // plan.chunk_v)
     live = round(plan.live_chunks * n_chunks)
     assert 0 < live < n_chunks
-    assert zeros_only.count(False) == live and zeros_only.count(True) == 1
+    return grads, live
+
+
+def test_the_skipped_chunks_zeros_take_one_launch(device, no_accuracy_guard, set_costs, planned, monkeypatch):
+    # Products by live tile in one row group: the chunks the host skips (no live tile) get their dC
+    # zeros from one launch after the loop, not a launch each (at Qwen 2.5 0.5B's head on real data,
+    # 57 of 75 chunks: the launches cost the host more than the device's work). So the products
+    # kernel runs once per live chunk and once more, and its gradients are cuBLAS's products' (dC's
+    # skipped rows exactly zero, every element written).
+    from cce_autotune.strategies import chunked
+
+    real = chunked._TileProducts._launch
+    log = []  # per run, each launch's zeros_only
+    monkeypatch.setattr(chunked._TileProducts, "_launch", lambda self, *a: log[-1].append(a[-1]) or real(self, *a))
+    grads, live = _both_products_skipping_chunks(device, set_costs, planned, log)
+    assert log[0] == [] and log[1].count(False) == live and log[1].count(True) == 1
     assert (grads[False][1] == 0).all(dim=1).sum() > 0  # (rows of skipped chunks)
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[True][1] == 0, grads[False][1] == 0)
@@ -280,30 +290,13 @@ def test_the_walked_order_gathers_and_scatters_a_chunk_in_one_op_each(device, no
     # device work is short, its host ops set the loop's pace: stop 58); the gradients are those of the
     # products by live tile, which read C's rows and write dC's through the order (nothing gathered:
     # no gather or scatter at all in one row group), and every element of dC is written.
-    set_costs(map_ms=0.0, **NO_CHUNK_HOST, pause_share=float("inf"))
-    e, c, t, _ = make_inputs((3, 29), 2100, 45, torch.float32, peaked=2.0, device=device)
-    ops = []
+    log = []  # per run, the gathers and scatters
     select, copy = torch.index_select, torch.Tensor.index_copy_
-    monkeypatch.setattr(torch, "index_select", lambda *a, **k: ops.append("gather") or select(*a, **k))
-    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: ops.append("scatter") or copy(self, *a))
-    grads = {}
-    for tile_products in (False, True):
-        set_costs(tile_products=0.0 if tile_products else 1e9)
-        kv = MAPPED.replace(backward=MAPPED.backward.replace(filter_eps=2.0**-6, strategy="chunked", chunk_v=64))
-        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
-        prime_order(cc, ee, "sorted")
-        ops.clear()
-        with unwritten_is_nan():
-            linear_cross_entropy(ee, cc, t, impl="triton", variants=kv, max_extra_memory=None).backward()
-        plan = planned[-1].call.backward
-        assert plan.use_map and plan.tile_products == tile_products and plan.row_group == 0, plan.describe()
-        grads[tile_products] = ee.grad, cc.grad
-        if tile_products:
-            assert ops == []
-        else:
-            live = round(plan.live_chunks * -(-2100 // plan.chunk_v))
-            assert 0 < live < -(-2100 // plan.chunk_v)
-            assert ops.count("gather") == live and ops.count("scatter") == live, ops
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: log[-1].append("gather") or select(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: log[-1].append("scatter") or copy(self, *a))
+    grads, live = _both_products_skipping_chunks(device, set_costs, planned, log)
+    assert log[0].count("gather") == live and log[0].count("scatter") == live, log[0]
+    assert log[1] == []
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
 
 
